@@ -1,0 +1,162 @@
+//! Compiles `kernels/matmul.cu` to PTX, trying in order:
+//! 1. `nvcc` (from `CUDA_HOME`/`CUDA_PATH` or `PATH`),
+//! 2. NVRTC through cudarc, when libnvrtc loads (the `nvidia-cuda-nvrtc-cu12` wheel's `lib`
+//!    folder on `LD_LIBRARY_PATH` is enough),
+//! 3. the PTX committed under `kernels/`, with a warning.
+//!
+//! `STABLEBUF_PTX_COMPILER=nvcc|nvrtc|committed` forces one path (and fails if it is missing).
+//! `STABLEBUF_WRITE_PTX=1` rewrites the committed PTX from a fresh compile (`scripts/regen-ptx`).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+include!("kernels/fingerprint.rs");
+
+const SOURCE: &str = "kernels/matmul.cu";
+const COMMITTED: &str = "kernels/matmul.ptx";
+/// Old enough to JIT on every GPU that has the VMM API (Volta and newer).
+const ARCH: &str = "compute_70";
+
+fn main() {
+    println!("cargo:rerun-if-changed={SOURCE}");
+    println!("cargo:rerun-if-changed={COMMITTED}");
+    println!("cargo:rerun-if-changed=kernels/fingerprint.rs");
+    for var in [
+        "LD_LIBRARY_PATH",
+        "CUDA_HOME",
+        "CUDA_PATH",
+        "STABLEBUF_PTX_COMPILER",
+        "STABLEBUF_WRITE_PTX",
+    ] {
+        println!("cargo:rerun-if-env-changed={var}");
+    }
+
+    let out_dir = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
+    let source = std::fs::read_to_string(SOURCE).expect("kernels/matmul.cu is readable");
+    let forced = std::env::var("STABLEBUF_PTX_COMPILER").ok();
+
+    let compiled = match forced.as_deref() {
+        Some("nvcc") => {
+            Some(nvcc(&out_dir).unwrap_or_else(|e| panic!("nvcc forced but failed: {e}")))
+        }
+        Some("nvrtc") => {
+            Some(nvrtc(&source).unwrap_or_else(|e| panic!("NVRTC forced but failed: {e}")))
+        }
+        Some("committed") => None,
+        Some(other) => panic!("STABLEBUF_PTX_COMPILER={other}: expected nvcc, nvrtc or committed"),
+        None => match nvcc(&out_dir) {
+            Ok(found) => Some(found),
+            Err(nvcc_err) => match nvrtc(&source) {
+                Ok(found) => Some(found),
+                Err(nvrtc_err) => {
+                    println!(
+                        "cargo:warning=stablebuf: no kernel compiler ({nvcc_err}; {nvrtc_err}); \
+                         using the PTX committed in {COMMITTED}"
+                    );
+                    None
+                }
+            },
+        },
+    };
+
+    let (ptx, compiler) = match compiled {
+        Some((ptx, compiler)) => (ptx, compiler),
+        None => {
+            let committed =
+                std::fs::read_to_string(COMMITTED).expect("kernels/matmul.ptx is readable");
+            let expected = format!("{PTX_SOURCE_HEADER}{:016x}", source_fingerprint(&source));
+            if committed.lines().next() != Some(expected.as_str()) {
+                println!(
+                    "cargo:warning=stablebuf: {COMMITTED} is stale (does not match {SOURCE}); \
+                     run scripts/regen-ptx"
+                );
+            }
+            (committed, "committed".to_string())
+        }
+    };
+
+    if std::env::var("STABLEBUF_WRITE_PTX").as_deref() == Ok("1") {
+        assert!(
+            compiler != "committed",
+            "STABLEBUF_WRITE_PTX=1 needs nvcc or NVRTC"
+        );
+        let stamped = stamp(&source, &ptx);
+        std::fs::write(COMMITTED, stamped).expect("write kernels/matmul.ptx");
+        println!("cargo:warning=stablebuf: rewrote {COMMITTED} with {compiler}");
+    }
+
+    std::fs::write(out_dir.join("matmul.ptx"), stamp(&source, &ptx)).expect("write PTX to OUT_DIR");
+    println!("cargo:rustc-env=STABLEBUF_PTX_COMPILER={compiler}");
+}
+
+/// Puts the source fingerprint on the first line (replacing an existing stamp).
+fn stamp(source: &str, ptx: &str) -> String {
+    let body = match ptx.lines().next() {
+        Some(first) if first.starts_with(PTX_SOURCE_HEADER) => {
+            &ptx[first.len()..].trim_start_matches('\n')
+        }
+        _ => ptx,
+    };
+    format!(
+        "{PTX_SOURCE_HEADER}{:016x}\n{body}",
+        source_fingerprint(source)
+    )
+}
+
+fn nvcc(out_dir: &Path) -> Result<(String, String), String> {
+    let from_home = ["CUDA_HOME", "CUDA_PATH"]
+        .iter()
+        .filter_map(|v| std::env::var_os(v))
+        .map(|home| PathBuf::from(home).join("bin").join("nvcc"))
+        .find(|p| p.is_file());
+    let nvcc = from_home.unwrap_or_else(|| PathBuf::from("nvcc"));
+    let version = Command::new(&nvcc)
+        .arg("--version")
+        .output()
+        .map_err(|_| "nvcc not found".to_string())?;
+    let version = String::from_utf8_lossy(&version.stdout);
+    let release = version
+        .lines()
+        .find_map(|l| l.split("release ").nth(1))
+        .map(|r| r.split(',').next().unwrap_or(r).to_string())
+        .unwrap_or_else(|| "unknown".into());
+    let out = out_dir.join("nvcc.ptx");
+    // CUDA 13 dropped Volta: fall back to the oldest architecture this nvcc accepts.
+    for arch in [ARCH, "compute_75"] {
+        let status = Command::new(&nvcc)
+            .args(["--ptx", "-O3", &format!("-arch={arch}"), "-o"])
+            .arg(&out)
+            .arg(SOURCE)
+            .status()
+            .map_err(|e| format!("nvcc failed to start: {e}"))?;
+        if status.success() {
+            let ptx = std::fs::read_to_string(&out).map_err(|e| e.to_string())?;
+            return Ok((ptx, format!("nvcc {release} ({arch})")));
+        }
+    }
+    Err("nvcc could not compile the kernels".into())
+}
+
+fn nvrtc(source: &str) -> Result<(String, String), String> {
+    // SAFETY: only probes whether the shared library can be opened.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(
+            "libnvrtc not loadable (put the nvidia-cuda-nvrtc wheel's lib on LD_LIBRARY_PATH)"
+                .into(),
+        );
+    }
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: nvrtcVersion writes two ints through valid pointers.
+    let status = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+    if status != cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS {
+        return Err(format!("nvrtcVersion: {status:?}"));
+    }
+    let opts = cudarc::nvrtc::CompileOptions {
+        arch: Some(ARCH),
+        options: vec!["-default-device".into(), "--std=c++14".into()],
+        ..Default::default()
+    };
+    let ptx =
+        cudarc::nvrtc::compile_ptx_with_opts(source, opts).map_err(|e| format!("NVRTC: {e}"))?;
+    Ok((ptx.to_src(), format!("nvrtc {major}.{minor} ({ARCH})")))
+}

@@ -1,0 +1,214 @@
+//! Raw graph objects: a captured graph, its executable, capture, launch and exec update.
+//!
+//! Unlike cudarc's `CudaGraph`, capture and instantiation are separate, because an update check
+//! needs a freshly captured graph that is never instantiated.
+
+use std::sync::Arc;
+
+use cudarc::driver::{result, sys, CudaContext, CudaStream};
+
+use super::{bind_context, traced, traced_raw};
+use crate::error::{Error, Result};
+
+/// A captured (not instantiated) graph. Destroyed on drop.
+#[derive(Debug)]
+pub(crate) struct Graph {
+    ctx: Arc<CudaContext>,
+    graph: sys::CUgraph,
+}
+
+// SAFETY: a CUgraph is a handle the driver lets any thread use as long as calls on one graph are
+// not concurrent; `Graph` is only used through `&mut`/owned access or immutable queries made
+// by its single owner, so moving it between threads is sound.
+unsafe impl Send for Graph {}
+
+/// An instantiated graph. Destroyed on drop.
+#[derive(Debug)]
+pub(crate) struct Exec {
+    ctx: Arc<CudaContext>,
+    exec: sys::CUgraphExec,
+}
+
+// SAFETY: as for `Graph`; the owner (`StableGraph`) never shares it between threads at once.
+unsafe impl Send for Exec {}
+
+/// What `cuGraphExecUpdate` said, in plain numbers.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RawUpdate {
+    /// `CUgraphExecUpdateResult` as its integer value (newer drivers may add values).
+    pub(crate) result_code: u32,
+    /// Index, in `Graph::node_types` order, of the node of the new graph that failed.
+    pub(crate) error_node: Option<usize>,
+}
+
+/// `CUgraphExecUpdateResultInfo` with the result read as a plain integer, so a value this build's
+/// bindings do not know cannot become an invalid Rust enum.
+#[repr(C)]
+struct UpdateResultInfo {
+    result: u32,
+    error_node: sys::CUgraphNode,
+    error_from_node: sys::CUgraphNode,
+}
+
+/// Starts capturing `stream` in thread-local mode: other threads' CUDA calls are unaffected.
+pub(crate) fn begin_capture(stream: &CudaStream) -> Result<()> {
+    bind_context(stream.context())?;
+    traced("cuStreamBeginCapture", 0, || {
+        // SAFETY: the stream is live for the call (borrowed); capture mode is a valid enum value.
+        unsafe {
+            result::stream::begin_capture(
+                stream.cu_stream(),
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            )
+        }
+    })
+}
+
+/// Ends the capture on `stream`. `None` when nothing was captured.
+pub(crate) fn end_capture(stream: &CudaStream) -> Result<Option<Graph>> {
+    bind_context(stream.context())?;
+    let graph = traced("cuStreamEndCapture", 0, || {
+        // SAFETY: the stream is live; the returned graph (if any) is owned by us from now on.
+        unsafe { result::stream::end_capture(stream.cu_stream()) }
+    })?;
+    Ok((!graph.is_null()).then(|| Graph {
+        ctx: stream.context().clone(),
+        graph,
+    }))
+}
+
+impl Graph {
+    /// Instantiates the graph into an executable.
+    pub(crate) fn instantiate(&self) -> Result<Exec> {
+        bind_context(&self.ctx)?;
+        let mut exec: sys::CUgraphExec = std::ptr::null_mut();
+        traced_raw("cuGraphInstantiateWithFlags", 0, || {
+            // SAFETY: valid out-pointer and live graph; flags 0 = default behaviour.
+            unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, self.graph, 0) }
+        })?;
+        Ok(Exec {
+            ctx: self.ctx.clone(),
+            exec,
+        })
+    }
+
+    fn nodes(&self) -> Result<Vec<sys::CUgraphNode>> {
+        bind_context(&self.ctx)?;
+        let mut count = 0usize;
+        traced_raw("cuGraphGetNodes", 0, || {
+            // SAFETY: a null node array asks only for the count.
+            unsafe { sys::cuGraphGetNodes(self.graph, std::ptr::null_mut(), &mut count) }
+        })?;
+        let mut nodes: Vec<sys::CUgraphNode> = vec![std::ptr::null_mut(); count];
+        traced_raw("cuGraphGetNodes", 0, || {
+            // SAFETY: `nodes` has room for `count` handles; the driver writes at most `count`.
+            unsafe { sys::cuGraphGetNodes(self.graph, nodes.as_mut_ptr(), &mut count) }
+        })?;
+        nodes.truncate(count);
+        Ok(nodes)
+    }
+
+    /// The type of every node (`CUgraphNodeType` as integers), in the driver's node order.
+    pub(crate) fn node_types(&self) -> Result<Vec<u32>> {
+        self.nodes()?
+            .into_iter()
+            .map(|node| {
+                let mut kind = 0u32;
+                traced_raw("cuGraphNodeGetType", 0, || {
+                    // SAFETY: the node belongs to this live graph. The type is written as a
+                    // 32-bit enum; reading it into a u32 keeps unknown values well-defined.
+                    unsafe { sys::cuGraphNodeGetType(node, (&mut kind as *mut u32).cast()) }
+                })?;
+                Ok(kind)
+            })
+            .collect()
+    }
+}
+
+impl Exec {
+    /// Launches the executable on `stream`.
+    pub(crate) fn launch(&self, stream: &CudaStream) -> Result<()> {
+        bind_context(&self.ctx)?;
+        traced_raw("cuGraphLaunch", 0, || {
+            // SAFETY: live exec and stream of the same context.
+            unsafe { sys::cuGraphLaunch(self.exec, stream.cu_stream()) }
+        })
+    }
+
+    /// Tries to update this executable in place to `graph` (`cuGraphExecUpdate_v2`).
+    ///
+    /// A rejected update is not an error here: the driver reports why in the result code, and
+    /// this executable is left as it was. Other failures are errors.
+    pub(crate) fn update(&self, graph: &Graph) -> Result<RawUpdate> {
+        bind_context(&self.ctx)?;
+        let mut info = UpdateResultInfo {
+            result: 0,
+            error_node: std::ptr::null_mut(),
+            error_from_node: std::ptr::null_mut(),
+        };
+        // SAFETY: `UpdateResultInfo` has the layout of CUgraphExecUpdateResultInfo (a 32-bit enum
+        // then two node handles, repr(C)); both handles are live and of the same context.
+        let status = unsafe {
+            sys::cuGraphExecUpdate_v2(
+                self.exec,
+                graph.graph,
+                (&mut info as *mut UpdateResultInfo).cast(),
+            )
+        };
+        match status {
+            sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE => {
+                let error_node = if info.error_node.is_null() {
+                    None
+                } else {
+                    graph.nodes()?.iter().position(|&n| n == info.error_node)
+                };
+                tracing::debug!(
+                    call = "cuGraphExecUpdate_v2",
+                    result = info.result,
+                    "exec update"
+                );
+                Ok(RawUpdate {
+                    result_code: info.result,
+                    error_node,
+                })
+            }
+            other => Err(super::driver_error("cuGraphExecUpdate_v2", 0, other)),
+        }
+    }
+}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        let graph = self.graph;
+        let destroyed = bind_context(&self.ctx).and_then(|()| {
+            traced_raw("cuGraphDestroy", 0, || {
+                // SAFETY: owned graph, destroyed once.
+                unsafe { sys::cuGraphDestroy(graph) }
+            })
+        });
+        if let Err(error) = destroyed {
+            tracing::error!(%error, "destroying a graph failed");
+        }
+    }
+}
+
+impl Drop for Exec {
+    fn drop(&mut self) {
+        let exec = self.exec;
+        let destroyed = bind_context(&self.ctx).and_then(|()| {
+            traced_raw("cuGraphExecDestroy", 0, || {
+                // SAFETY: owned exec, destroyed once. The driver defers the destruction until
+                // launches in flight complete.
+                unsafe { sys::cuGraphExecDestroy(exec) }
+            })
+        });
+        if let Err(error) = destroyed {
+            tracing::error!(%error, "destroying a graph exec failed");
+        }
+    }
+}
+
+/// Turns "nothing captured" into an error for callers that need a graph.
+pub(crate) fn require_graph(graph: Option<Graph>) -> Result<Graph> {
+    graph.ok_or(Error::EmptyCapture)
+}

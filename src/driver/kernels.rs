@@ -1,0 +1,263 @@
+//! Typed launchers for the kernels in `kernels/matmul.cu`.
+//!
+//! Each launcher checks shapes and buffer sizes on the host first, so a wrong size is an
+//! [`Error`], never an out-of-bounds access on the GPU.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use cudarc::driver::{
+    sys, CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg,
+};
+use cudarc::nvrtc::Ptx;
+
+use super::{bind_context, traced};
+use crate::error::{Error, Result};
+use crate::kernels::PTX;
+
+/// Anything with a device address and a size in bytes: slots, views.
+pub trait DeviceBuffer {
+    fn device_address(&self) -> sys::CUdeviceptr;
+    fn byte_len(&self) -> usize;
+}
+
+/// Which matmul kernel to launch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MatmulKernel {
+    /// One thread per output: the correctness reference.
+    Naive,
+    /// 16×16 shared-memory tiles; any shape.
+    Tiled,
+    /// 128×128 block tiles with 8×8 register tiles per thread; needs M and N multiples of 128,
+    /// K a multiple of 8 and 16-byte aligned buffers.
+    RegisterTiled,
+    /// [`MatmulKernel::RegisterTiled`] where its conditions hold, else [`MatmulKernel::Tiled`].
+    Auto,
+}
+
+/// The loaded kernel module and its functions.
+#[derive(Debug)]
+pub struct Kernels {
+    module: Arc<CudaModule>,
+    naive: CudaFunction,
+    tiled: CudaFunction,
+    register_tiled: CudaFunction,
+    bias_act: CudaFunction,
+    fill: CudaFunction,
+    spin: CudaFunction,
+}
+
+const F32: usize = std::mem::size_of::<f32>();
+
+fn dim(name: &str, value: usize) -> Result<i32> {
+    match i32::try_from(value) {
+        Ok(v) if v > 0 => Ok(v),
+        _ => Err(Error::InvalidShape(format!(
+            "{name} = {value} must be in 1..=i32::MAX"
+        ))),
+    }
+}
+
+fn need(what: &'static str, buffer: &dyn DeviceBuffer, elems: [usize; 2]) -> Result<()> {
+    let needed = elems[0]
+        .checked_mul(elems[1])
+        .and_then(|n| n.checked_mul(F32))
+        .ok_or_else(|| {
+            Error::InvalidShape(format!("{what}: {} x {} overflows", elems[0], elems[1]))
+        })?;
+    if buffer.byte_len() < needed {
+        return Err(Error::BufferTooSmall {
+            what,
+            needed,
+            available: buffer.byte_len(),
+        });
+    }
+    Ok(())
+}
+
+impl Kernels {
+    /// Loads the module into `ctx` (the driver JIT-compiles the PTX for the device once).
+    pub fn load(ctx: &Arc<CudaContext>) -> Result<Self> {
+        bind_context(ctx)?;
+        let module = traced("cuModuleLoadData", PTX.len(), || {
+            ctx.load_module(Ptx::from_src(PTX))
+        })?;
+        let function = |name: &str| traced("cuModuleGetFunction", 0, || module.load_function(name));
+        Ok(Self {
+            naive: function("matmul_naive")?,
+            tiled: function("matmul_tiled")?,
+            register_tiled: function("matmul_regtile")?,
+            bias_act: function("bias_act")?,
+            fill: function("fill_f32")?,
+            spin: function("spin_ns")?,
+            module,
+        })
+    }
+
+    /// The module, to load other functions by name for `launch_builder`.
+    pub fn module(&self) -> &Arc<CudaModule> {
+        &self.module
+    }
+
+    /// The kernel [`MatmulKernel::Auto`] resolves to for this shape and these buffers.
+    pub fn resolve(
+        kind: MatmulKernel,
+        m: usize,
+        n: usize,
+        k: usize,
+        buffers: [&dyn DeviceBuffer; 3],
+    ) -> MatmulKernel {
+        match kind {
+            MatmulKernel::Auto => {
+                let aligned = buffers.iter().all(|b| b.device_address() % 16 == 0);
+                if aligned && m % 128 == 0 && n % 128 == 0 && k % 8 == 0 {
+                    MatmulKernel::RegisterTiled
+                } else {
+                    MatmulKernel::Tiled
+                }
+            }
+            other => other,
+        }
+    }
+
+    /// Enqueues `C[m,n] = A[m,k] · B[k,n]` (row-major FP32) on `stream`; returns the kernel used.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul(
+        &self,
+        stream: &Arc<CudaStream>,
+        kind: MatmulKernel,
+        a: &impl DeviceBuffer,
+        b: &impl DeviceBuffer,
+        c: &impl DeviceBuffer,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<MatmulKernel> {
+        let (mi, ni, ki) = (dim("m", m)?, dim("n", n)?, dim("k", k)?);
+        need("matmul A", a, [m, k])?;
+        need("matmul B", b, [k, n])?;
+        need("matmul C", c, [m, n])?;
+        let kind = Self::resolve(kind, m, n, k, [a, b, c]);
+        let (function, cfg) = match kind {
+            MatmulKernel::Naive | MatmulKernel::Tiled | MatmulKernel::Auto => {
+                let f = if kind == MatmulKernel::Naive {
+                    &self.naive
+                } else {
+                    &self.tiled
+                };
+                let grid = (n.div_ceil(16) as u32, m.div_ceil(16) as u32, 1);
+                (
+                    f,
+                    LaunchConfig {
+                        grid_dim: grid,
+                        block_dim: (16, 16, 1),
+                        shared_mem_bytes: 0,
+                    },
+                )
+            }
+            MatmulKernel::RegisterTiled => {
+                if kind != Self::resolve(MatmulKernel::Auto, m, n, k, [a, b, c]) {
+                    return Err(Error::InvalidShape(format!(
+                        "register-tiled matmul needs m, n multiples of 128, k of 8 and 16-byte \
+                         aligned buffers; got {m}x{n}x{k}"
+                    )));
+                }
+                let grid = ((n / 128) as u32, (m / 128) as u32, 1);
+                (
+                    &self.register_tiled,
+                    LaunchConfig {
+                        grid_dim: grid,
+                        block_dim: (256, 1, 1),
+                        shared_mem_bytes: 0,
+                    },
+                )
+            }
+        };
+        if cfg.grid_dim.1 > 65_535 {
+            return Err(Error::InvalidShape(format!(
+                "m = {m} needs more than 65535 block rows"
+            )));
+        }
+        let (pa, pb, pc) = (a.device_address(), b.device_address(), c.device_address());
+        traced("cuLaunchKernel", 0, || {
+            let mut launch = stream.launch_builder(function);
+            launch.arg(&pa).arg(&pb).arg(&pc).arg(&mi).arg(&ni).arg(&ki);
+            // SAFETY: the argument list matches the kernels' signature (three float pointers,
+            // three ints) and the buffers were checked above to hold A, B and C in full.
+            unsafe { launch.launch(cfg) }.map(drop)
+        })?;
+        Ok(kind)
+    }
+
+    /// Enqueues `y[r, c] = act(y[r, c] + bias[c])` for a `rows × cols` matrix; `relu` picks ReLU
+    /// over identity.
+    pub fn bias_act(
+        &self,
+        stream: &Arc<CudaStream>,
+        y: &impl DeviceBuffer,
+        bias: &impl DeviceBuffer,
+        rows: usize,
+        cols: usize,
+        relu: bool,
+    ) -> Result<()> {
+        let (ri, ci) = (dim("rows", rows)?, dim("cols", cols)?);
+        need("bias_act y", y, [rows, cols])?;
+        need("bias_act bias", bias, [1, cols])?;
+        let (py, pb, act) = (y.device_address(), bias.device_address(), i32::from(relu));
+        let cfg = grid_stride((rows * cols) as u64);
+        traced("cuLaunchKernel", 0, || {
+            let mut launch = stream.launch_builder(&self.bias_act);
+            launch.arg(&py).arg(&pb).arg(&ri).arg(&ci).arg(&act);
+            // SAFETY: matches `bias_act(float*, const float*, int, int, int)`; sizes checked.
+            unsafe { launch.launch(cfg) }.map(drop)
+        })
+    }
+
+    /// Enqueues a fill of every whole `f32` in `buffer` with `value` (NaN poisons outputs).
+    pub fn fill(
+        &self,
+        stream: &Arc<CudaStream>,
+        buffer: &impl DeviceBuffer,
+        value: f32,
+    ) -> Result<()> {
+        let count = (buffer.byte_len() / F32) as u64;
+        if count == 0 {
+            return Ok(());
+        }
+        let ptr = buffer.device_address();
+        traced("cuLaunchKernel", 0, || {
+            let mut launch = stream.launch_builder(&self.fill);
+            launch.arg(&ptr).arg(&count).arg(&value);
+            // SAFETY: matches `fill_f32(float*, unsigned long long, float)`; `count` floats fit
+            // in the buffer by construction.
+            unsafe { launch.launch(grid_stride(count)) }.map(drop)
+        })
+    }
+
+    /// Enqueues a kernel that keeps the GPU busy for `duration`: a stand-in for long work.
+    pub fn spin(&self, stream: &Arc<CudaStream>, duration: Duration) -> Result<()> {
+        let nanos = u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX);
+        traced("cuLaunchKernel", 0, || {
+            let mut launch = stream.launch_builder(&self.spin);
+            launch.arg(&nanos);
+            // SAFETY: matches `spin_ns(unsigned long long)`; touches no memory.
+            unsafe {
+                launch.launch(LaunchConfig {
+                    grid_dim: (1, 1, 1),
+                    block_dim: (1, 1, 1),
+                    shared_mem_bytes: 0,
+                })
+            }
+            .map(drop)
+        })
+    }
+}
+
+fn grid_stride(elements: u64) -> LaunchConfig {
+    let blocks = elements.div_ceil(256).clamp(1, 8192) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}

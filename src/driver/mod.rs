@@ -1,0 +1,109 @@
+//! The driver layer: the only module of the crate with `unsafe`.
+//!
+//! Like cudarc's `result` level, it turns raw `cudarc::driver::sys` calls into owned values with
+//! `Drop` and every `CUresult` into an [`Error`] that names the call. Everything above it is safe.
+//!
+//! Every driver call goes through [`traced`]: a `debug` span named after the call, with the bytes
+//! it concerns, and a `debug` event with its duration and result.
+
+pub(crate) mod graph;
+pub(crate) mod interop;
+pub mod kernels;
+pub(crate) mod vmm;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use cudarc::driver::{sys, CudaContext, CudaStream, DriverError};
+
+use crate::error::{Error, Result};
+
+/// Runs one driver call inside a tracing span and maps its failure to a typed [`Error`].
+pub(crate) fn traced<T>(
+    call: &'static str,
+    bytes: usize,
+    f: impl FnOnce() -> Result<T, DriverError>,
+) -> Result<T> {
+    let span = tracing::debug_span!("cuda", call, bytes);
+    let _entered = span.enter();
+    let start = Instant::now();
+    let outcome = f();
+    let micros = start.elapsed().as_secs_f64() * 1e6;
+    match outcome {
+        Ok(value) => {
+            tracing::debug!(call, bytes, micros, "ok");
+            Ok(value)
+        }
+        Err(DriverError(result)) => {
+            tracing::debug!(call, bytes, micros, ?result, "failed");
+            Err(driver_error(call, bytes, result))
+        }
+    }
+}
+
+/// [`traced`] for a raw `sys` call that returns a bare `CUresult`.
+pub(crate) fn traced_raw(
+    call: &'static str,
+    bytes: usize,
+    f: impl FnOnce() -> sys::CUresult,
+) -> Result<()> {
+    traced(call, bytes, || f().result())
+}
+
+pub(crate) fn driver_error(call: &'static str, bytes: usize, result: sys::CUresult) -> Error {
+    match result {
+        sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => Error::OutOfMemory { call, bytes },
+        result => Error::Driver {
+            call,
+            result,
+            bytes,
+        },
+    }
+}
+
+/// Whether libcuda can be loaded here. Everything else in the crate needs it.
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to open the shared library; no CUDA call is made.
+    unsafe { sys::is_culib_present() }
+}
+
+/// Opens device `ordinal` (its primary context) the way stablebuf wants it.
+///
+/// Returns [`Error::NoDriver`] instead of panicking where no CUDA driver is installed. cudarc's
+/// per-buffer event tracking is switched off, because its events make stream capture fail
+/// (errors 905/907) as soon as a `CudaSlice` is touched inside a capture; stablebuf orders its
+/// own memory with explicit fences instead.
+pub fn open_device(ordinal: usize) -> Result<Arc<CudaContext>> {
+    if !driver_present() {
+        return Err(Error::NoDriver);
+    }
+    let ctx = traced("cuDevicePrimaryCtxRetain", 0, || CudaContext::new(ordinal))?;
+    // SAFETY: called before this context creates any stream or buffer of ours; cudarc documents
+    // that tracking must not be switched while tracked buffers are in flight.
+    unsafe { ctx.disable_event_tracking() };
+    Ok(ctx)
+}
+
+/// Makes `ctx` current on this thread: raw `sys` calls do not do it themselves.
+pub(crate) fn bind_context(ctx: &CudaContext) -> Result<()> {
+    traced("cuCtxSetCurrent", 0, || ctx.bind_to_thread())
+}
+
+/// Free and total device memory of `ctx`'s device, in bytes (`cuMemGetInfo`).
+pub fn memory_info(ctx: &CudaContext) -> Result<(usize, usize)> {
+    traced("cuMemGetInfo", 0, || ctx.mem_get_info())
+}
+
+/// Whether `stream` is capturing right now.
+pub(crate) fn is_capturing(stream: &CudaStream) -> Result<bool> {
+    let status = traced("cuStreamIsCapturing", 0, || stream.capture_status())?;
+    Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+}
+
+pub(crate) fn synchronize_stream(stream: &CudaStream) -> Result<()> {
+    traced("cuStreamSynchronize", 0, || stream.synchronize())
+}
+
+pub(crate) fn synchronize_context(ctx: &CudaContext) -> Result<()> {
+    traced("cuCtxSynchronize", 0, || ctx.synchronize())
+}

@@ -1,0 +1,281 @@
+//! RAII wrappers over the CUDA virtual memory management calls.
+//!
+//! ```text
+//!   Reservation   cuMemAddressReserve / cuMemAddressFree   virtual addresses, no memory
+//!   Physical      cuMemCreate / cuMemRelease               memory, no address
+//!   Mapping       cuMemMap + cuMemSetAccess / cuMemUnmap   physical memory visible at an address
+//! ```
+//!
+//! Drop order is enforced by ownership: a [`Mapping`] holds an `Arc` of its [`Physical`] and of
+//! its [`Reservation`], so a mapping is always unmapped before its memory is released, and memory
+//! is released before its address range is freed. What this layer cannot know is whether the GPU
+//! still uses a mapping: the bind layer waits for that before it drops one.
+
+use std::sync::Arc;
+
+use cudarc::driver::{sys, CudaContext};
+
+use super::{bind_context, traced_raw};
+use crate::error::{Error, Result};
+
+fn allocation_prop(ordinal: i32, shareable: bool) -> sys::CUmemAllocationProp {
+    // SAFETY: CUmemAllocationProp is a plain C struct for which all-zero bytes are valid
+    // (null pointer, zero enums and flags); cudarc gives it no Default.
+    let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+    prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = ordinal;
+    if shareable {
+        prop.requestedHandleTypes =
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    }
+    prop
+}
+
+fn ordinal_of(ctx: &CudaContext) -> i32 {
+    ctx.ordinal() as i32
+}
+
+/// The allocation granularity of `ctx`'s device: every size and offset of a mapping is a
+/// multiple of it (2 MiB on current NVIDIA GPUs).
+pub(crate) fn granularity(ctx: &CudaContext, shareable: bool) -> Result<usize> {
+    bind_context(ctx)?;
+    let prop = allocation_prop(ordinal_of(ctx), shareable);
+    let mut granularity = 0usize;
+    traced_raw("cuMemGetAllocationGranularity", 0, || {
+        // SAFETY: both pointers are valid for the duration of the call.
+        unsafe {
+            sys::cuMemGetAllocationGranularity(
+                &mut granularity,
+                &prop,
+                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+            )
+        }
+    })?;
+    Ok(granularity)
+}
+
+/// A range of device virtual addresses, reserved with no memory behind it.
+#[derive(Debug)]
+pub(crate) struct Reservation {
+    ctx: Arc<CudaContext>,
+    base: sys::CUdeviceptr,
+    bytes: usize,
+}
+
+impl Reservation {
+    /// Reserves `bytes` (a multiple of the granularity) aligned to `alignment`.
+    pub(crate) fn new(ctx: &Arc<CudaContext>, bytes: usize, alignment: usize) -> Result<Self> {
+        bind_context(ctx)?;
+        let mut base: sys::CUdeviceptr = 0;
+        traced_raw("cuMemAddressReserve", bytes, || {
+            // SAFETY: `base` is a valid out-pointer; a zero hint lets the driver choose.
+            unsafe { sys::cuMemAddressReserve(&mut base, bytes, alignment, 0, 0) }
+        })?;
+        Ok(Self {
+            ctx: ctx.clone(),
+            base,
+            bytes,
+        })
+    }
+
+    pub(crate) fn base(&self) -> sys::CUdeviceptr {
+        self.base
+    }
+
+    pub(crate) fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        let (base, bytes) = (self.base, self.bytes);
+        let freed = bind_context(&self.ctx).and_then(|()| {
+            traced_raw("cuMemAddressFree", bytes, || {
+                // SAFETY: the range came from cuMemAddressReserve with this size, and every
+                // Mapping inside it holds an Arc of this Reservation, so none is left mapped.
+                unsafe { sys::cuMemAddressFree(base, bytes) }
+            })
+        });
+        if let Err(error) = freed {
+            tracing::error!(%error, base, bytes, "freeing a reservation failed");
+        }
+    }
+}
+
+/// Physical device memory with no address (`cuMemCreate`).
+#[derive(Debug)]
+pub(crate) struct Physical {
+    ctx: Arc<CudaContext>,
+    handle: sys::CUmemGenericAllocationHandle,
+    bytes: usize,
+    shareable: bool,
+}
+
+impl Physical {
+    /// Allocates `bytes` (a multiple of the granularity) on `ctx`'s device.
+    pub(crate) fn new(ctx: &Arc<CudaContext>, bytes: usize, shareable: bool) -> Result<Self> {
+        bind_context(ctx)?;
+        let prop = allocation_prop(ordinal_of(ctx), shareable);
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        traced_raw("cuMemCreate", bytes, || {
+            // SAFETY: valid out-pointer and property struct; flags must be 0.
+            unsafe { sys::cuMemCreate(&mut handle, bytes, &prop, 0) }
+        })?;
+        Ok(Self {
+            ctx: ctx.clone(),
+            handle,
+            bytes,
+            shareable,
+        })
+    }
+
+    pub(crate) fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    #[allow(dead_code)] // read by the sharing layer
+    pub(crate) fn shareable(&self) -> bool {
+        self.shareable
+    }
+}
+
+impl Drop for Physical {
+    fn drop(&mut self) {
+        let (handle, bytes) = (self.handle, self.bytes);
+        let released = bind_context(&self.ctx).and_then(|()| {
+            traced_raw("cuMemRelease", bytes, || {
+                // SAFETY: the handle came from cuMemCreate and is released once, here; every
+                // Mapping of it holds an Arc of this value, so none is left mapped.
+                unsafe { sys::cuMemRelease(handle) }
+            })
+        });
+        if let Err(error) = released {
+            tracing::error!(%error, bytes, "releasing physical memory failed");
+        }
+    }
+}
+
+/// Physical memory mapped at an address inside a reservation, readable and writable by the
+/// devices it was given access for. Unmapped on drop.
+#[derive(Debug)]
+pub(crate) struct Mapping {
+    ptr: sys::CUdeviceptr,
+    bytes: usize,
+    physical: Arc<Physical>,
+    reservation: Arc<Reservation>,
+    /// Set when the owner could not prove the GPU is done with the range: the mapping, its
+    /// memory and its reservation are then kept for the life of the process instead of freed.
+    leak: bool,
+}
+
+impl Mapping {
+    /// Maps `bytes` of `physical`, starting at `physical_offset`, at `reservation`'s base +
+    /// `offset`, and grants read-write access to `access_devices` (device ordinals). All or
+    /// nothing: if access cannot be set, the range is unmapped again before returning the error.
+    pub(crate) fn new(
+        reservation: &Arc<Reservation>,
+        offset: usize,
+        physical: &Arc<Physical>,
+        physical_offset: usize,
+        bytes: usize,
+        access_devices: &[usize],
+    ) -> Result<Self> {
+        let fits_va = offset
+            .checked_add(bytes)
+            .is_some_and(|end| end <= reservation.bytes());
+        let fits_pa = physical_offset
+            .checked_add(bytes)
+            .is_some_and(|end| end <= physical.bytes());
+        if bytes == 0 || !fits_va || !fits_pa {
+            return Err(Error::InvalidShape(format!(
+                "mapping {bytes} bytes at offset {offset} of a {} byte reservation from offset \
+                 {physical_offset} of {} bytes of memory",
+                reservation.bytes(),
+                physical.bytes()
+            )));
+        }
+        bind_context(&reservation.ctx)?;
+        let ptr = reservation.base() + offset as u64;
+        let handle = physical.handle;
+        traced_raw("cuMemMap", bytes, || {
+            // SAFETY: [ptr, ptr + bytes) lies inside a live reservation (checked above) and the
+            // handle is live; an overlap with an existing mapping is reported by the driver.
+            unsafe { sys::cuMemMap(ptr, bytes, physical_offset, handle, 0) }
+        })?;
+        let mapping = Self {
+            ptr,
+            bytes,
+            physical: physical.clone(),
+            reservation: reservation.clone(),
+            leak: false,
+        };
+        mapping.set_access(access_devices)?; // on error `mapping` drops and unmaps
+        Ok(mapping)
+    }
+
+    fn set_access(&self, devices: &[usize]) -> Result<()> {
+        let descriptors: Vec<sys::CUmemAccessDesc> = devices
+            .iter()
+            .map(|&ordinal| {
+                // SAFETY: a plain C struct for which all-zero bytes are valid.
+                let mut desc: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
+                desc.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+                desc.location.id = ordinal as i32;
+                desc.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+                desc
+            })
+            .collect();
+        let (ptr, bytes) = (self.ptr, self.bytes);
+        traced_raw("cuMemSetAccess", bytes, || {
+            // SAFETY: the range is exactly one live mapping; `descriptors` outlives the call.
+            unsafe { sys::cuMemSetAccess(ptr, bytes, descriptors.as_ptr(), descriptors.len()) }
+        })
+    }
+
+    pub(crate) fn ptr(&self) -> sys::CUdeviceptr {
+        self.ptr
+    }
+
+    pub(crate) fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    pub(crate) fn physical(&self) -> &Arc<Physical> {
+        &self.physical
+    }
+
+    /// Never unmap this range: used when waiting for the GPU failed and the range may still be
+    /// in use. Leaking is the only choice that cannot corrupt memory or fault.
+    pub(crate) fn leak_on_drop(&mut self) {
+        self.leak = true;
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        let (ptr, bytes) = (self.ptr, self.bytes);
+        if self.leak {
+            // Keep one count of each forever so neither is released under the mapping.
+            std::mem::forget(self.physical.clone());
+            std::mem::forget(self.reservation.clone());
+            tracing::warn!(
+                ptr,
+                bytes,
+                "mapping leaked because the GPU may still use it"
+            );
+            return;
+        }
+        let unmapped = bind_context(&self.reservation.ctx).and_then(|()| {
+            traced_raw("cuMemUnmap", bytes, || {
+                // SAFETY: exactly the range mapped in `new`. The owner (bind layer) has waited
+                // for all work that used it before dropping this value.
+                unsafe { sys::cuMemUnmap(ptr, bytes) }
+            })
+        });
+        if let Err(error) = unmapped {
+            tracing::error!(%error, ptr, bytes, "unmapping failed");
+        }
+    }
+}

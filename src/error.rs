@@ -1,0 +1,126 @@
+//! The one error type of the crate.
+
+use cudarc::driver::{sys::CUresult, DriverError};
+
+/// Everything that can go wrong in stablebuf. Variants carry the numbers a caller needs to act.
+///
+/// After any error the object it came from is unchanged: a failed bind leaves the previous
+/// dataset bound, a failed layout build creates nothing, and so on.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A CUDA driver call failed. `call` is the driver function's name.
+    #[error("{call} failed with {result:?} ({bytes} bytes)")]
+    Driver {
+        call: &'static str,
+        result: CUresult,
+        bytes: usize,
+    },
+
+    /// The driver could not provide physical memory.
+    #[error("{call}: out of device memory asking for {bytes} bytes")]
+    OutOfMemory { call: &'static str, bytes: usize },
+
+    /// No CUDA driver (libcuda) could be loaded on this machine.
+    #[error("no CUDA driver found: libcuda could not be loaded")]
+    NoDriver,
+
+    /// A slot was declared with zero bytes.
+    #[error("slot `{slot}` has zero size")]
+    ZeroSizeSlot { slot: String },
+
+    /// Two slots share a name.
+    #[error("slot `{slot}` is declared twice")]
+    DuplicateSlot { slot: String },
+
+    /// A layout with no slots.
+    #[error("a layout needs at least one slot")]
+    EmptyLayout,
+
+    /// An empty slot or group name.
+    #[error("slot and group names must not be empty")]
+    EmptyName,
+
+    /// The named slot is not in this layout (or not in this dataset's group).
+    #[error("unknown slot `{slot}`")]
+    UnknownSlot { slot: String },
+
+    /// The named group is not in this layout, or holds only scratch slots.
+    #[error("unknown slot group `{group}`")]
+    UnknownGroup { group: String },
+
+    /// The slot is scratch: it lives in the space's resident backing, not in datasets.
+    #[error("slot `{slot}` is scratch and belongs to no dataset")]
+    ScratchSlot { slot: String },
+
+    /// A dataset made for one layout was offered to a space of another.
+    #[error("dataset of group `{group}` was made for layout {dataset_layout:016x}, this space has layout {space_layout:016x}")]
+    LayoutMismatch {
+        group: String,
+        dataset_layout: u64,
+        space_layout: u64,
+    },
+
+    /// A dataset or buffer belongs to another CUDA context (device).
+    #[error("object belongs to CUDA device {found}, expected device {expected}")]
+    ContextMismatch { expected: usize, found: usize },
+
+    /// Host data whose size does not match the slot.
+    #[error("slot `{slot}` holds {slot_bytes} bytes, host data has {host_bytes}")]
+    HostLength {
+        slot: String,
+        slot_bytes: usize,
+        host_bytes: usize,
+    },
+
+    /// The slot's byte size is not a whole number of elements of the requested type.
+    #[error("slot `{slot}` ({bytes} bytes) is not a whole number of {elem_bytes}-byte elements")]
+    ElementSize {
+        slot: String,
+        bytes: usize,
+        elem_bytes: usize,
+    },
+
+    /// Binding, unbinding or dropping backing while a stream capture is in progress would
+    /// invalidate the capture (and the driver forbids it in global capture mode).
+    #[error("cannot change bindings while a stream capture is in progress")]
+    BindDuringCapture,
+
+    /// A replay (or slot access) needs the group's dataset bound, and it is not.
+    #[error("slot group `{group}` has no dataset bound")]
+    Unbound { group: String },
+
+    /// A kernel helper was given buffers too small for the shape asked for.
+    #[error("{what}: needs {needed} bytes, buffer has {available}")]
+    BufferTooSmall {
+        what: &'static str,
+        needed: usize,
+        available: usize,
+    },
+
+    /// A dimension that must be positive and fit the kernel's `int` arguments does not.
+    #[error("invalid shape: {0}")]
+    InvalidShape(String),
+
+    /// A capture produced no graph (the stream captured nothing).
+    #[error("the capture recorded no work")]
+    EmptyCapture,
+
+    /// A capture was started on a stream that is already capturing.
+    #[error("the stream is already capturing")]
+    AlreadyCapturing,
+
+    /// An error from a cudarc call made by user code inside a capture or launch.
+    #[error("cudarc: {0}")]
+    Cudarc(#[from] DriverError),
+}
+
+/// Shorthand used throughout the crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    /// Whether this error means the device ran out of memory.
+    pub fn is_out_of_memory(&self) -> bool {
+        matches!(self, Error::OutOfMemory { .. })
+    }
+}

@@ -1,0 +1,81 @@
+//! Waiting for the GPU before memory under an address goes away.
+//!
+//! `cuMemUnmap` does not wait for kernels that still use the range (measured on the H100: it
+//! returned in 38 µs while a 200 ms kernel ran). So before the bind layer unmaps anything it
+//! waits on a [`Fence`]:
+//!
+//! - [`FencePolicy::Context`] (the default) waits for all work in the CUDA context. It cannot
+//!   miss a stream, including ones stablebuf never saw (a raw `launch_builder` on a slot).
+//! - [`FencePolicy::AttachedStreams`] waits only for the streams attached to the space: those
+//!   its graphs were captured or replayed on, its views and copies used, and any passed to
+//!   `Space::attach`. That lets one space rebind while another space's replay runs (pipelining),
+//!   and makes attaching every stream that touches the space the caller's duty.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaStream};
+
+use crate::driver;
+use crate::error::{Error, Result};
+use crate::graph::capturing_on_this_thread;
+
+/// How a space (or dataset) waits for the GPU before unmapping memory. See the module docs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum FencePolicy {
+    /// Wait for everything in the context (`cuCtxSynchronize`). Always safe.
+    #[default]
+    Context,
+    /// Wait for the attached streams only (`cuStreamSynchronize` on each).
+    AttachedStreams,
+}
+
+/// The streams that may hold work on some memory, and how to wait for them.
+#[derive(Debug)]
+pub(crate) struct Fence {
+    ctx: Arc<CudaContext>,
+    policy: FencePolicy,
+    streams: Vec<Arc<CudaStream>>,
+}
+
+impl Fence {
+    pub(crate) fn new(ctx: &Arc<CudaContext>, policy: FencePolicy) -> Self {
+        Self {
+            ctx: ctx.clone(),
+            policy,
+            streams: Vec::new(),
+        }
+    }
+
+    /// Remembers that `stream` may use the memory.
+    pub(crate) fn attach(&mut self, stream: &Arc<CudaStream>) {
+        if !self.streams.iter().any(|s| **s == **stream) {
+            self.streams.push(stream.clone());
+        }
+    }
+
+    /// Fails with [`Error::BindDuringCapture`] if a capture is under way on this thread or on
+    /// an attached stream: unmapping then would break the capture or fault at replay.
+    pub(crate) fn check_not_capturing(&self) -> Result<()> {
+        if capturing_on_this_thread() {
+            return Err(Error::BindDuringCapture);
+        }
+        for stream in &self.streams {
+            if driver::is_capturing(stream)? {
+                return Err(Error::BindDuringCapture);
+            }
+        }
+        Ok(())
+    }
+
+    /// Blocks until the GPU is done with everything this fence covers.
+    pub(crate) fn wait(&self) -> Result<()> {
+        self.check_not_capturing()?;
+        match self.policy {
+            FencePolicy::Context => driver::synchronize_context(&self.ctx),
+            FencePolicy::AttachedStreams => self
+                .streams
+                .iter()
+                .try_for_each(|s| driver::synchronize_stream(s)),
+        }
+    }
+}

@@ -1,0 +1,326 @@
+//! Graphs captured over spaces, replayed on whatever datasets are bound.
+//!
+//! A [`StableGraph`] keeps the closure that issued its work, so it can re-capture the same work
+//! at any time and ask the driver (`cuGraphExecUpdate`) whether the existing executable can take
+//! it: [`StableGraph::check_update`]. Because slot addresses never change, a rebind leaves the
+//! captured parameters valid, and the check comes back `Success` with nothing to patch.
+
+use std::cell::Cell;
+use std::sync::{Arc, MutexGuard};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::CudaStream;
+
+use crate::driver::{self, graph as raw};
+use crate::error::{Error, Result};
+use crate::space::{Space, SpaceShared, SpaceState};
+
+thread_local! {
+    static CAPTURE_DEPTH: Cell<u32> = const { Cell::new(0) };
+}
+
+/// Whether this thread is inside a [`StableGraph`] capture.
+pub(crate) fn capturing_on_this_thread() -> bool {
+    CAPTURE_DEPTH.with(|d| d.get() > 0)
+}
+
+/// The work a graph replays: it issues kernels, copies or library calls on the given stream.
+pub type Work = Box<dyn FnMut(&Arc<CudaStream>) -> Result<()> + Send>;
+
+/// What the driver said about an exec update, as a Rust enum.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum UpdateOutcome {
+    /// The executable took the new graph.
+    Success,
+    /// Rejected for an unspecified reason.
+    Error,
+    /// Nodes or edges were added or removed.
+    TopologyChanged,
+    /// A node's type changed.
+    NodeTypeChanged,
+    /// A kernel node's function changed.
+    FunctionChanged,
+    /// Parameters changed in a way that cannot be updated.
+    ParametersChanged,
+    /// Something not updatable (e.g. a node type that does not support update).
+    NotSupported,
+    /// A kernel function changed in an unsupported way.
+    UnsupportedFunctionChange,
+    /// Node attributes changed in an unsupported way.
+    AttributesChanged,
+    /// A result this build does not know.
+    Unknown(u32),
+}
+
+impl UpdateOutcome {
+    fn from_code(code: u32) -> Self {
+        match code {
+            0 => Self::Success,
+            1 => Self::Error,
+            2 => Self::TopologyChanged,
+            3 => Self::NodeTypeChanged,
+            4 => Self::FunctionChanged,
+            5 => Self::ParametersChanged,
+            6 => Self::NotSupported,
+            7 => Self::UnsupportedFunctionChange,
+            8 => Self::AttributesChanged,
+            other => Self::Unknown(other),
+        }
+    }
+}
+
+/// The result of an update check.
+#[derive(Clone, Debug)]
+pub struct UpdateReport {
+    pub outcome: UpdateOutcome,
+    /// Index (in [`StableGraph::node_kinds`] order of the re-captured graph) of the node the
+    /// driver blamed, if it named one.
+    pub error_node: Option<usize>,
+    /// Time to re-capture the work.
+    pub capture_time: Duration,
+    /// Time `cuGraphExecUpdate` took.
+    pub update_time: Duration,
+}
+
+impl UpdateReport {
+    pub fn is_success(&self) -> bool {
+        self.outcome == UpdateOutcome::Success
+    }
+}
+
+/// The kind of a graph node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum NodeKind {
+    Kernel,
+    Memcpy,
+    Memset,
+    Host,
+    ChildGraph,
+    Empty,
+    WaitEvent,
+    EventRecord,
+    ExternalSemaphoreSignal,
+    ExternalSemaphoreWait,
+    MemAlloc,
+    MemFree,
+    BatchMemOp,
+    Conditional,
+    Other(u32),
+}
+
+impl NodeKind {
+    fn from_code(code: u32) -> Self {
+        match code {
+            0 => Self::Kernel,
+            1 => Self::Memcpy,
+            2 => Self::Memset,
+            3 => Self::Host,
+            4 => Self::ChildGraph,
+            5 => Self::Empty,
+            6 => Self::WaitEvent,
+            7 => Self::EventRecord,
+            8 => Self::ExternalSemaphoreSignal,
+            9 => Self::ExternalSemaphoreWait,
+            10 => Self::MemAlloc,
+            11 => Self::MemFree,
+            12 => Self::BatchMemOp,
+            13 => Self::Conditional,
+            other => Self::Other(other),
+        }
+    }
+}
+
+/// A CUDA graph captured over one or more spaces.
+///
+/// Replaying checks, under the spaces' locks, that every group of every space has a dataset
+/// bound; otherwise it returns [`Error::Unbound`] and launches nothing, so a missing binding is
+/// an error rather than an illegal-address fault. The graph keeps its spaces' addresses reserved
+/// for as long as it lives.
+pub struct StableGraph {
+    // Field order is drop order: the executable and graph go before the spaces they point into.
+    exec: raw::Exec,
+    graph: raw::Graph,
+    work: Work,
+    stream: Arc<CudaStream>,
+    spaces: Vec<Arc<SpaceShared>>,
+    capture_time: Duration,
+    instantiate_time: Duration,
+}
+
+impl std::fmt::Debug for StableGraph {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StableGraph")
+            .field(
+                "spaces",
+                &self.spaces.iter().map(|s| s.id).collect::<Vec<_>>(),
+            )
+            .field("capture_time", &self.capture_time)
+            .field("instantiate_time", &self.instantiate_time)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Decrements the capture depth even if the work panics.
+struct CaptureGuard;
+
+impl CaptureGuard {
+    fn enter() -> Self {
+        CAPTURE_DEPTH.with(|d| d.set(d.get() + 1));
+        CaptureGuard
+    }
+}
+
+impl Drop for CaptureGuard {
+    fn drop(&mut self) {
+        CAPTURE_DEPTH.with(|d| d.set(d.get() - 1));
+    }
+}
+
+/// Captures `work` on `stream` into a graph (not instantiated). The capture always ends, also
+/// when `work` fails, so the stream is usable afterwards.
+fn capture_graph(stream: &Arc<CudaStream>, work: &mut Work) -> Result<(raw::Graph, Duration)> {
+    if driver::is_capturing(stream)? {
+        return Err(Error::AlreadyCapturing);
+    }
+    let start = Instant::now();
+    raw::begin_capture(stream)?;
+    let outcome = {
+        let _guard = CaptureGuard::enter();
+        work(stream)
+    };
+    let ended = raw::end_capture(stream);
+    outcome?;
+    let graph = raw::require_graph(ended?)?;
+    Ok((graph, start.elapsed()))
+}
+
+impl StableGraph {
+    /// Captures `work` on `stream` over `spaces` and instantiates it.
+    ///
+    /// `work` must issue the same work each time it is called: [`StableGraph::check_update`]
+    /// calls it again. Everything it touches must exist before the capture (no allocation inside).
+    /// `stream` must not be the legacy default stream (it cannot be captured).
+    pub fn capture<F>(stream: &Arc<CudaStream>, spaces: &[&Space], work: F) -> Result<Self>
+    where
+        F: FnMut(&Arc<CudaStream>) -> Result<()> + Send + 'static,
+    {
+        let mut shared: Vec<Arc<SpaceShared>> = spaces.iter().map(|s| s.shared.clone()).collect();
+        shared.sort_by_key(|s| s.id);
+        shared.dedup_by_key(|s| s.id);
+        for space in &shared {
+            space.lock().fence.attach(stream);
+        }
+        let mut work: Work = Box::new(work);
+        let (graph, capture_time) = capture_graph(stream, &mut work)?;
+        let start = Instant::now();
+        let exec = graph.instantiate()?;
+        let instantiate_time = start.elapsed();
+        tracing::debug!(
+            capture_us = capture_time.as_secs_f64() * 1e6,
+            instantiate_us = instantiate_time.as_secs_f64() * 1e6,
+            "graph captured"
+        );
+        Ok(Self {
+            exec,
+            graph,
+            work,
+            stream: stream.clone(),
+            spaces: shared,
+            capture_time,
+            instantiate_time,
+        })
+    }
+
+    /// Replays on the capture stream.
+    pub fn replay(&self) -> Result<()> {
+        self.launch(&self.stream)
+    }
+
+    /// Replays on another stream (of the same context).
+    pub fn replay_on(&self, stream: &Arc<CudaStream>) -> Result<()> {
+        self.launch(stream)
+    }
+
+    fn launch(&self, stream: &Arc<CudaStream>) -> Result<()> {
+        // Locks in id order (no deadlock between graphs over the same spaces); held until the
+        // launch is enqueued so no bind can unmap between the check and the launch. A later
+        // bind waits for this launch on the fence.
+        let mut guards: Vec<MutexGuard<'_, SpaceState>> = Vec::with_capacity(self.spaces.len());
+        for space in &self.spaces {
+            let mut state = space.lock();
+            space.require_all_bound(&state)?;
+            state.fence.attach(stream);
+            guards.push(state);
+        }
+        self.exec.launch(stream)
+    }
+
+    /// Re-captures the graph's own work and asks the driver to update the executable with it.
+    /// `Success` proves the executable is reusable as it is (after any rebind).
+    pub fn check_update(&mut self) -> Result<UpdateReport> {
+        let (graph, capture_time) = capture_graph(&self.stream, &mut self.work)?;
+        self.try_update(graph, capture_time)
+            .map(|(report, _)| report)
+    }
+
+    /// Captures different `work` and tries to update the executable to it. On success the graph
+    /// replays `work` from now on; when the driver rejects it (say, the topology changed) the
+    /// report says why and the graph keeps replaying its old work, unchanged.
+    pub fn update_with<F>(&mut self, work: F) -> Result<UpdateReport>
+    where
+        F: FnMut(&Arc<CudaStream>) -> Result<()> + Send + 'static,
+    {
+        let mut work: Work = Box::new(work);
+        let (graph, capture_time) = capture_graph(&self.stream, &mut work)?;
+        let (report, graph) = self.try_update(graph, capture_time)?;
+        if report.is_success() {
+            self.work = work;
+            self.graph = graph;
+        }
+        Ok(report)
+    }
+
+    fn try_update(
+        &mut self,
+        graph: raw::Graph,
+        capture_time: Duration,
+    ) -> Result<(UpdateReport, raw::Graph)> {
+        let start = Instant::now();
+        let raw = self.exec.update(&graph)?;
+        let report = UpdateReport {
+            outcome: UpdateOutcome::from_code(raw.result_code),
+            error_node: raw.error_node,
+            capture_time,
+            update_time: start.elapsed(),
+        };
+        tracing::debug!(outcome = ?report.outcome, update_us = report.update_time.as_secs_f64() * 1e6, "update check");
+        Ok((report, graph))
+    }
+
+    /// The kind of every node of the captured graph.
+    pub fn node_kinds(&self) -> Result<Vec<NodeKind>> {
+        Ok(self
+            .graph
+            .node_types()?
+            .into_iter()
+            .map(NodeKind::from_code)
+            .collect())
+    }
+
+    /// The stream the graph was captured on (and replays on by default).
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// How long the first capture took.
+    pub fn capture_time(&self) -> Duration {
+        self.capture_time
+    }
+
+    /// How long instantiation took.
+    pub fn instantiate_time(&self) -> Duration {
+        self.instantiate_time
+    }
+}

@@ -1,0 +1,85 @@
+//! # stablebuf
+//!
+//! Stable device addresses for CUDA graphs while the data under them changes.
+//!
+//! A [`Space`] reserves one long-lived virtual address range (`cuMemAddressReserve`) and carves
+//! it into named [`Slot`]s at fixed addresses. A [`Dataset`] is physical memory for one group of
+//! slots. [`Space::bind`] maps a dataset under the group's addresses, replacing the previous one
+//! with one unmap, one map and one set-access, so a [`StableGraph`] captured once replays on
+//! new data with no copy, no re-capture and no re-instantiation.
+//!
+//! ```no_run
+//! use stablebuf::{open_device, Kernels, Layout, MatmulKernel, Space};
+//!
+//! # fn main() -> stablebuf::Result<()> {
+//! let ctx = open_device(0)?;
+//! let stream = ctx.new_stream()?;
+//! let kernels = std::sync::Arc::new(Kernels::load(&ctx)?);
+//! let n = 256;
+//! let bytes = n * n * 4;
+//! let layout = Layout::builder()
+//!     .group("inputs").input("a", bytes).input("b", bytes)
+//!     .scratch("c", bytes)
+//!     .build()?;
+//! let space = Space::new(&ctx, layout)?;
+//!
+//! // Two datasets for the "inputs" group.
+//! let first = space.new_dataset("inputs")?;
+//! let second = space.new_dataset("inputs")?;
+//! first.write(&stream, "a", &vec![1.0f32; n * n])?;
+//! first.write(&stream, "b", &vec![2.0f32; n * n])?;
+//! second.write(&stream, "a", &vec![3.0f32; n * n])?;
+//! second.write(&stream, "b", &vec![4.0f32; n * n])?;
+//!
+//! // Capture once, over the slots' fixed addresses.
+//! let (a, b, c) = (space.slot("a")?.clone(), space.slot("b")?.clone(), space.slot("c")?.clone());
+//! let k = kernels.clone();
+//! let mut graph = space.capture(&stream, move |s| {
+//!     k.matmul(s, MatmulKernel::Auto, &a, &b, &c, n, n, n).map(drop)
+//! })?;
+//!
+//! space.bind(&first)?;
+//! graph.replay()?;
+//! let c1: Vec<f32> = space.read(&stream, "c")?; // 512.0 everywhere
+//!
+//! space.bind(&second)?; // same addresses, new memory
+//! assert!(graph.check_update()?.is_success());
+//! graph.replay()?;
+//! let c2: Vec<f32> = space.read(&stream, "c")?; // 3072.0 everywhere
+//! # Ok(()) }
+//! ```
+//!
+//! ## Guarantees
+//! - A slot's address never changes for the life of its space.
+//! - Before memory is unmapped, the GPU work that may use it has finished (see [`FencePolicy`]).
+//! - Replaying a graph while any group of its spaces is unbound is [`Error::Unbound`], never a
+//!   GPU fault.
+//! - Every driver failure is an [`Error`] naming the call; after an error, state is unchanged.
+//! - Drop order: unmap before release, release before freeing the reservation.
+//!
+//! ## Layers
+//! `driver` (the only `unsafe`: VMM, graphs, launches) → [`layout`] (arithmetic) →
+//! [`Space`]/[`Dataset`] (binding) → [`StableGraph`] (capture, replay, update checks).
+
+mod dataset;
+mod driver;
+mod error;
+mod fence;
+mod graph;
+pub mod kernels;
+pub mod layout;
+mod space;
+mod view;
+
+pub use dataset::{Dataset, DatasetSlot};
+pub use driver::{driver_present, memory_info, open_device};
+pub use error::{Error, Result};
+pub use fence::FencePolicy;
+pub use graph::{NodeKind, StableGraph, UpdateOutcome, UpdateReport, Work};
+pub use kernels::{DeviceBuffer, Kernels, MatmulKernel};
+pub use layout::{Layout, LayoutBuilder, Role};
+pub use space::{Slot, Space, SpaceOptions};
+pub use view::SlotView;
+
+/// cudarc, re-exported so users name the same version's contexts and streams.
+pub use cudarc;

@@ -1,0 +1,503 @@
+//! Spaces: a reserved address range carved into slots, with datasets bound under its groups.
+//!
+//! This is the one place that maps and unmaps datasets under a space's addresses, and it always
+//! waits on the space's [`Fence`] before unmapping.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::Instant;
+
+use bitvec::vec::BitVec;
+use cudarc::driver::{sys, CudaContext, CudaStream, DeviceRepr};
+
+use crate::dataset::Dataset;
+use crate::driver::kernels::DeviceBuffer;
+use crate::driver::vmm::{self, Mapping, Physical, Reservation};
+use crate::error::{Error, Result};
+use crate::fence::{Fence, FencePolicy};
+use crate::graph::StableGraph;
+use crate::layout::{Layout, Placement, Role};
+use crate::view::{self, SlotView};
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+pub(crate) fn next_id() -> u64 {
+    NEXT_ID.fetch_add(1, Ordering::Relaxed)
+}
+
+/// A named, fixed address inside a space. Cheap to clone; pass `&Slot` as a kernel argument.
+///
+/// The address is valid for the life of the space. Whether memory is behind it depends on the
+/// slot's group being bound (scratch slots always are).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Slot {
+    pub(crate) ptr: sys::CUdeviceptr,
+    name: String,
+    bytes: usize,
+    role: Role,
+    group: Option<String>,
+}
+
+impl Slot {
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The device address. Never changes for the life of the space.
+    pub fn device_ptr(&self) -> sys::CUdeviceptr {
+        self.ptr
+    }
+
+    /// Bytes declared in the layout.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    pub fn role(&self) -> Role {
+        self.role
+    }
+
+    /// The slot's group; `None` for scratch.
+    pub fn group(&self) -> Option<&str> {
+        self.group.as_deref()
+    }
+}
+
+impl DeviceBuffer for Slot {
+    fn device_address(&self) -> sys::CUdeviceptr {
+        self.ptr
+    }
+
+    fn byte_len(&self) -> usize {
+        self.bytes
+    }
+}
+
+/// Options for [`Space::with_options`].
+#[derive(Clone, Debug, Default)]
+pub struct SpaceOptions {
+    /// How the space waits for the GPU before unmapping (default: the whole context).
+    pub fence: FencePolicy,
+}
+
+/// A long-lived virtual address range holding a layout's slots at fixed addresses.
+///
+/// Cloning gives another handle to the same space. The addresses stay reserved until the last
+/// handle, graph and binding is gone.
+#[derive(Clone, Debug)]
+pub struct Space {
+    pub(crate) shared: Arc<SpaceShared>,
+}
+
+#[derive(Debug)]
+struct Binding {
+    dataset_id: u64,
+    mapping: Mapping,
+}
+
+#[derive(Debug)]
+pub(crate) struct SpaceState {
+    bindings: Vec<Option<Binding>>,
+    /// Bit `i` set when group `i` has a dataset mapped.
+    bound: BitVec,
+    pub(crate) fence: Fence,
+}
+
+// Field order is drop order: bindings (in `state`) and the scratch mapping are unmapped before
+// the reservation they live in is freed (the mappings also hold the reservation alive).
+#[derive(Debug)]
+pub(crate) struct SpaceShared {
+    pub(crate) id: u64,
+    ctx: Arc<CudaContext>,
+    layout: Layout,
+    placement: Placement,
+    slots: Vec<Slot>,
+    access: Vec<usize>,
+    state: Mutex<SpaceState>,
+    scratch: Option<Mapping>,
+    reservation: Arc<Reservation>,
+}
+
+impl Space {
+    /// Reserves addresses for `layout` on `ctx`'s device, and backs its scratch slots.
+    pub fn new(ctx: &Arc<CudaContext>, layout: Layout) -> Result<Self> {
+        Self::with_options(ctx, layout, SpaceOptions::default())
+    }
+
+    pub fn with_options(
+        ctx: &Arc<CudaContext>,
+        layout: Layout,
+        options: SpaceOptions,
+    ) -> Result<Self> {
+        let granularity = vmm::granularity(ctx, false)?;
+        let placement = layout.place(granularity)?;
+        let reservation = Arc::new(Reservation::new(ctx, placement.total_bytes, granularity)?);
+        let access = vec![ctx.ordinal()];
+        let scratch = match &placement.scratch {
+            Some(region) => {
+                let physical = Arc::new(Physical::new(ctx, region.bytes, false)?);
+                Some(Mapping::new(
+                    &reservation,
+                    region.offset,
+                    &physical,
+                    0,
+                    region.bytes,
+                    &access,
+                )?)
+            }
+            None => None,
+        };
+        let slots = placement
+            .slots
+            .iter()
+            .map(|p| Slot {
+                ptr: reservation.base() + p.offset as u64,
+                name: p.name.clone(),
+                bytes: p.bytes,
+                role: p.role,
+                group: p.group.map(|g| placement.groups[g].name.clone()),
+            })
+            .collect();
+        let groups = placement.groups.len();
+        let state = SpaceState {
+            bindings: (0..groups).map(|_| None).collect(),
+            bound: BitVec::repeat(false, groups),
+            fence: Fence::new(ctx, options.fence),
+        };
+        let id = next_id();
+        tracing::debug!(
+            space = id,
+            base = reservation.base(),
+            bytes = placement.total_bytes,
+            groups,
+            "space created"
+        );
+        Ok(Self {
+            shared: Arc::new(SpaceShared {
+                id,
+                ctx: ctx.clone(),
+                layout,
+                placement,
+                slots,
+                access,
+                state: Mutex::new(state),
+                scratch,
+                reservation,
+            }),
+        })
+    }
+
+    /// The slot called `name`.
+    pub fn slot(&self, name: &str) -> Result<&Slot> {
+        self.shared.slot(name)
+    }
+
+    /// Every slot, group by group, then scratch.
+    pub fn slots(&self) -> &[Slot] {
+        &self.shared.slots
+    }
+
+    pub fn layout(&self) -> &Layout {
+        &self.shared.layout
+    }
+
+    /// Where each slot and group sits.
+    pub fn placement(&self) -> &Placement {
+        &self.shared.placement
+    }
+
+    /// First address of the reserved range.
+    pub fn base(&self) -> sys::CUdeviceptr {
+        self.shared.reservation.base()
+    }
+
+    /// Bytes of address space reserved.
+    pub fn reserved_bytes(&self) -> usize {
+        self.shared.reservation.bytes()
+    }
+
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.shared.ctx
+    }
+
+    /// Makes a dataset for group `group`: fresh physical memory laid out like the group's slots
+    /// (contents undefined until written).
+    pub fn new_dataset(&self, group: &str) -> Result<Dataset> {
+        let index = self.shared.placement.group_index(group)?;
+        Dataset::new(
+            &self.shared.ctx,
+            &self.shared.layout,
+            &self.shared.placement,
+            index,
+            &self.shared.access,
+        )
+    }
+
+    /// Puts `dataset` under its group's slots, replacing what was bound there.
+    ///
+    /// One unmap, one map and one set-access for the whole group, whatever its slot count. Waits
+    /// on the space's fence first, so no work still using the previous dataset is cut off. All or
+    /// nothing: if mapping the new dataset fails, the previous one is mapped back and the error is
+    /// returned. Binding the dataset already bound is a no-op.
+    pub fn bind(&self, dataset: &Dataset) -> Result<()> {
+        self.shared.bind(dataset)?;
+        dataset.note_bound_in(Arc::downgrade(&self.shared));
+        Ok(())
+    }
+
+    /// Unmaps group `group` (after waiting on the fence). Replays then fail with
+    /// [`Error::Unbound`] until a dataset is bound again.
+    pub fn unbind(&self, group: &str) -> Result<()> {
+        let index = self.shared.placement.group_index(group)?;
+        self.shared.unbind_group(index, None)
+    }
+
+    /// The id of the dataset bound under `group`, if any.
+    pub fn bound_dataset(&self, group: &str) -> Result<Option<u64>> {
+        let index = self.shared.placement.group_index(group)?;
+        Ok(self.shared.lock().bindings[index]
+            .as_ref()
+            .map(|b| b.dataset_id))
+    }
+
+    /// Whether every group has a dataset bound.
+    pub fn is_fully_bound(&self) -> bool {
+        self.shared.lock().bound.all()
+    }
+
+    /// Records that `stream` may use the space's memory. Only matters with
+    /// [`FencePolicy::AttachedStreams`]; views, copies, captures and replays attach their stream.
+    pub fn attach(&self, stream: &Arc<CudaStream>) {
+        self.shared.lock().fence.attach(stream);
+    }
+
+    /// A typed view of slot `name` for cudarc copies, cuBLAS and kernels. Its group must be bound.
+    pub fn view<T>(&self, name: &str, stream: &Arc<CudaStream>) -> Result<SlotView<'_, T>> {
+        let slot = self.slot(name)?;
+        let mut state = self.shared.lock();
+        self.shared.require_bound(&state, slot)?;
+        state.fence.attach(stream);
+        SlotView::new(slot.ptr, &slot.name, slot.bytes, stream)
+    }
+
+    /// Copies `data` (exactly the slot's size) into slot `name` through the bound dataset or the
+    /// scratch backing; returns when the copy is done.
+    pub fn write<T: DeviceRepr>(
+        &self,
+        stream: &Arc<CudaStream>,
+        name: &str,
+        data: &[T],
+    ) -> Result<()> {
+        let host_bytes = std::mem::size_of_val(data);
+        let slot = self.slot(name)?;
+        if host_bytes != slot.bytes {
+            return Err(Error::HostLength {
+                slot: name.into(),
+                slot_bytes: slot.bytes,
+                host_bytes,
+            });
+        }
+        let mut view = self.view::<T>(name, stream)?;
+        view::write(&mut view, name, data)
+    }
+
+    /// Copies slot `name` to the host.
+    pub fn read<T: DeviceRepr>(&self, stream: &Arc<CudaStream>, name: &str) -> Result<Vec<T>> {
+        view::read(&self.view::<T>(name, stream)?)
+    }
+
+    /// Captures `work` on `stream` as a graph over this space. See [`StableGraph::capture`].
+    pub fn capture<F>(&self, stream: &Arc<CudaStream>, work: F) -> Result<StableGraph>
+    where
+        F: FnMut(&Arc<CudaStream>) -> Result<()> + Send + 'static,
+    {
+        StableGraph::capture(stream, &[self], work)
+    }
+}
+
+impl SpaceShared {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, SpaceState> {
+        // Every mutation of the state is all-or-nothing, so a panic elsewhere cannot leave it
+        // half-changed: a poisoned lock still holds consistent state.
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn slot(&self, name: &str) -> Result<&Slot> {
+        self.slots
+            .iter()
+            .find(|s| s.name == name)
+            .ok_or_else(|| Error::UnknownSlot { slot: name.into() })
+    }
+
+    fn require_bound(&self, state: &SpaceState, slot: &Slot) -> Result<()> {
+        match &slot.group {
+            Some(group) => {
+                let index = self.placement.group_index(group)?;
+                if state.bound[index] {
+                    Ok(())
+                } else {
+                    Err(Error::Unbound {
+                        group: group.clone(),
+                    })
+                }
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// `Err(Unbound)` naming the first group with nothing bound.
+    pub(crate) fn require_all_bound(&self, state: &SpaceState) -> Result<()> {
+        match state.bound.first_zero() {
+            None => Ok(()),
+            Some(index) => Err(Error::Unbound {
+                group: self.placement.groups[index].name.clone(),
+            }),
+        }
+    }
+
+    fn check_compatible(&self, dataset: &Dataset) -> Result<usize> {
+        if dataset.context().ordinal() != self.ctx.ordinal() {
+            return Err(Error::ContextMismatch {
+                expected: self.ctx.ordinal(),
+                found: dataset.context().ordinal(),
+            });
+        }
+        let index = dataset.group_index();
+        let matches = dataset.layout_fingerprint() == self.layout.fingerprint()
+            && self
+                .placement
+                .groups
+                .get(index)
+                .is_some_and(|g| g.bytes == dataset.bytes() && g.name == dataset.group());
+        if !matches {
+            return Err(Error::LayoutMismatch {
+                group: dataset.group().into(),
+                dataset_layout: dataset.layout_fingerprint(),
+                space_layout: self.layout.fingerprint(),
+            });
+        }
+        Ok(index)
+    }
+
+    fn bind(&self, dataset: &Dataset) -> Result<()> {
+        let index = self.check_compatible(dataset)?;
+        let region = &self.placement.groups[index];
+        let mut state = self.lock();
+        if state.bindings[index]
+            .as_ref()
+            .is_some_and(|b| b.dataset_id == dataset.id())
+        {
+            return Ok(());
+        }
+        let span = tracing::debug_span!("bind", space = self.id, group = %region.name, bytes = region.bytes);
+        let _entered = span.enter();
+        let start = Instant::now();
+        state.fence.wait()?;
+        let previous = state.bindings[index].take();
+        let restore = previous
+            .as_ref()
+            .map(|b| (b.dataset_id, b.mapping.physical().clone()));
+        state.bound.set(index, false);
+        drop(previous); // unmaps: the fence above has drained every use
+        match Mapping::new(
+            &self.reservation,
+            region.offset,
+            dataset.physical(),
+            0,
+            region.bytes,
+            &self.access,
+        ) {
+            Ok(mapping) => {
+                state.bindings[index] = Some(Binding {
+                    dataset_id: dataset.id(),
+                    mapping,
+                });
+                state.bound.set(index, true);
+                tracing::debug!(
+                    dataset = dataset.id(),
+                    micros = start.elapsed().as_secs_f64() * 1e6,
+                    "bound"
+                );
+                Ok(())
+            }
+            Err(error) => {
+                if let Some((dataset_id, physical)) = restore {
+                    match Mapping::new(
+                        &self.reservation,
+                        region.offset,
+                        &physical,
+                        0,
+                        region.bytes,
+                        &self.access,
+                    ) {
+                        Ok(mapping) => {
+                            state.bindings[index] = Some(Binding {
+                                dataset_id,
+                                mapping,
+                            });
+                            state.bound.set(index, true);
+                        }
+                        Err(restore_error) => {
+                            tracing::error!(%restore_error, "could not map the previous dataset back");
+                        }
+                    }
+                }
+                Err(error)
+            }
+        }
+    }
+
+    /// Unmaps group `index`, if bound (to `only_dataset`, when given).
+    pub(crate) fn unbind_group(&self, index: usize, only_dataset: Option<u64>) -> Result<()> {
+        let mut state = self.lock();
+        let Some(binding) = &state.bindings[index] else {
+            return Ok(());
+        };
+        if only_dataset.is_some_and(|id| id != binding.dataset_id) {
+            return Ok(());
+        }
+        state.fence.wait()?;
+        state.bindings[index] = None; // unmaps
+        state.bound.set(index, false);
+        tracing::debug!(space = self.id, group = %self.placement.groups[index].name, "unbound");
+        Ok(())
+    }
+}
+
+impl Drop for SpaceShared {
+    fn drop(&mut self) {
+        let state = self
+            .state
+            .get_mut()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Err(error) = state.fence.wait() {
+            // Without proof that the GPU is done, nothing is unmapped: leak instead.
+            tracing::error!(%error, space = self.id, "waiting for the GPU before freeing a space failed; leaking it");
+            state
+                .bindings
+                .iter_mut()
+                .flatten()
+                .for_each(|b| b.mapping.leak_on_drop());
+            if let Some(scratch) = &mut self.scratch {
+                scratch.leak_on_drop();
+            }
+        }
+        for binding in &mut state.bindings {
+            *binding = None;
+        }
+    }
+}
+
+/// Unbinds `dataset_id` from the space behind `space`, if it is still alive and bound there.
+pub(crate) fn unbind_everywhere(
+    space: &Weak<SpaceShared>,
+    dataset_id: u64,
+    group: usize,
+) -> Result<()> {
+    match space.upgrade() {
+        Some(shared) => shared.unbind_group(group, Some(dataset_id)),
+        None => Ok(()),
+    }
+}

@@ -1,0 +1,136 @@
+//! Typed views of slots, usable with cudarc's copy helpers and cuBLAS.
+
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use cudarc::driver::{
+    sys, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice, SyncOnDrop,
+};
+
+use crate::driver::{self, kernels::DeviceBuffer};
+use crate::error::{Error, Result};
+
+/// `len` elements of `T` at a slot's address, tied to a stream and to the space or dataset it
+/// came from (`'a`). A cudarc citizen: `memcpy_htod`, `memcpy_dtoh`, `clone_dtoh`,
+/// `memset_zeros`, `memcpy_dtod` and `CudaBlas::gemm` accept it, and it is a kernel argument.
+///
+/// Views never synchronise on drop (`SyncOnDrop::Sync(None)`), so they are safe to use while
+/// capturing. Ordering against rebinding is the space's fence's job.
+#[derive(Debug)]
+pub struct SlotView<'a, T> {
+    pub(crate) ptr: sys::CUdeviceptr,
+    len: usize,
+    stream: Arc<CudaStream>,
+    _marker: PhantomData<(&'a (), fn() -> T)>,
+}
+
+impl<T> SlotView<'_, T> {
+    pub(crate) fn new(
+        ptr: sys::CUdeviceptr,
+        slot: &str,
+        bytes: usize,
+        stream: &Arc<CudaStream>,
+    ) -> Result<Self> {
+        let len = element_count::<T>(slot, bytes)?;
+        Ok(Self {
+            ptr,
+            len,
+            stream: stream.clone(),
+            _marker: PhantomData,
+        })
+    }
+
+    /// Elements of `T` in the view.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The device address.
+    pub fn device_ptr(&self) -> sys::CUdeviceptr {
+        self.ptr
+    }
+}
+
+/// How many `T` fit exactly in `bytes`.
+pub(crate) fn element_count<T>(slot: &str, bytes: usize) -> Result<usize> {
+    let elem = std::mem::size_of::<T>();
+    if elem == 0 || bytes % elem != 0 {
+        return Err(Error::ElementSize {
+            slot: slot.into(),
+            bytes,
+            elem_bytes: elem,
+        });
+    }
+    Ok(bytes / elem)
+}
+
+/// Copies `data` into the view and waits for the copy, so `data` may be dropped at once.
+pub(crate) fn write<T: DeviceRepr>(
+    view: &mut SlotView<'_, T>,
+    slot: &str,
+    data: &[T],
+) -> Result<()> {
+    let host_bytes = std::mem::size_of_val(data);
+    let slot_bytes = view.len * std::mem::size_of::<T>();
+    if data.len() != view.len {
+        return Err(Error::HostLength {
+            slot: slot.into(),
+            slot_bytes,
+            host_bytes,
+        });
+    }
+    let stream = view.stream.clone();
+    driver::traced("cuMemcpyHtoDAsync", host_bytes, || {
+        stream.memcpy_htod(data, view)
+    })?;
+    driver::synchronize_stream(&stream)
+}
+
+/// Copies the view to a new host vector (blocking).
+pub(crate) fn read<T: DeviceRepr>(view: &SlotView<'_, T>) -> Result<Vec<T>> {
+    let stream = view.stream.clone();
+    driver::traced(
+        "cuMemcpyDtoHAsync",
+        view.len * std::mem::size_of::<T>(),
+        || stream.clone_dtoh(view),
+    )
+}
+
+impl<T> DeviceSlice<T> for SlotView<'_, T> {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+}
+
+impl<T> DevicePtr<T> for SlotView<'_, T> {
+    fn device_ptr<'b>(&'b self, _stream: &'b CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'b>) {
+        (self.ptr, SyncOnDrop::Sync(None))
+    }
+}
+
+impl<T> DevicePtrMut<T> for SlotView<'_, T> {
+    fn device_ptr_mut<'b>(
+        &'b mut self,
+        _stream: &'b CudaStream,
+    ) -> (sys::CUdeviceptr, SyncOnDrop<'b>) {
+        (self.ptr, SyncOnDrop::Sync(None))
+    }
+}
+
+impl<T> DeviceBuffer for SlotView<'_, T> {
+    fn device_address(&self) -> sys::CUdeviceptr {
+        self.ptr
+    }
+
+    fn byte_len(&self) -> usize {
+        self.len * std::mem::size_of::<T>()
+    }
+}
