@@ -32,6 +32,8 @@ pub struct DatasetSlot {
     pub offset: usize,
     /// Bytes declared in the layout.
     pub bytes: usize,
+    /// Bytes taken: `bytes` rounded up to the granularity.
+    pub span: usize,
 }
 
 /// Physical memory for one group of a layout. See the module docs.
@@ -75,6 +77,7 @@ impl Dataset {
                     role: s.role,
                     offset: s.offset - region.offset,
                     bytes: s.bytes,
+                    span: s.span,
                 }
             })
             .collect();
@@ -123,6 +126,37 @@ impl Dataset {
 
     pub(crate) fn group_index(&self) -> usize {
         self.group_index
+    }
+
+    /// The dataset's private address (its home mapping).
+    pub fn home_ptr(&self) -> u64 {
+        self.home.ptr()
+    }
+
+    /// (offset, bytes) of each run of adjacent input slots, for copy-in binds.
+    pub(crate) fn input_runs(&self) -> Vec<(usize, usize)> {
+        self.runs(|role| role != Role::Output)
+    }
+
+    /// (offset, bytes) of each run of adjacent output slots, for copy-out.
+    pub(crate) fn output_runs(&self) -> Vec<(usize, usize)> {
+        self.runs(|role| role == Role::Output)
+    }
+
+    fn runs(&self, keep: impl Fn(Role) -> bool) -> Vec<(usize, usize)> {
+        let mut runs: Vec<(usize, usize)> = Vec::new();
+        let mut previous_end = None;
+        for slot in self.slots.iter().filter(|s| keep(s.role)) {
+            match runs.last_mut() {
+                // Adjacent (this slot starts where the last one's span ended): extend the run.
+                Some((offset, bytes)) if previous_end == Some(slot.offset) => {
+                    *bytes = slot.offset + slot.bytes - *offset
+                }
+                _ => runs.push((slot.offset, slot.bytes)),
+            }
+            previous_end = Some(slot.offset + slot.span);
+        }
+        runs
     }
 
     pub(crate) fn physical(&self) -> &Arc<Physical> {

@@ -21,6 +21,13 @@ pub enum Error {
     #[error("{call}: out of device memory asking for {bytes} bytes")]
     OutOfMemory { call: &'static str, bytes: usize },
 
+    /// A cuBLAS call failed. `call` is the cuBLAS function's name.
+    #[error("{call} failed with {status:?}")]
+    Cublas {
+        call: &'static str,
+        status: cudarc::cublas::sys::cublasStatus_t,
+    },
+
     /// No CUDA driver (libcuda) could be loaded on this machine.
     #[error("no CUDA driver found: libcuda could not be loaded")]
     NoDriver,

@@ -67,6 +67,22 @@ impl Fence {
         Ok(())
     }
 
+    /// Orders `stream`'s next work after everything this fence covers: on the GPU (an event
+    /// wait per attached stream) with `AttachedStreams`, on the host with `Context`.
+    pub(crate) fn order_before(&self, stream: &Arc<CudaStream>) -> Result<()> {
+        self.check_not_capturing()?;
+        match self.policy {
+            FencePolicy::Context => driver::synchronize_context(&self.ctx),
+            FencePolicy::AttachedStreams => {
+                for other in self.streams.iter().filter(|s| ***s != **stream) {
+                    let event = driver::traced("cuEventRecord", 0, || other.record_event(None))?;
+                    driver::traced("cuStreamWaitEvent", 0, || stream.wait(&event))?;
+                }
+                Ok(())
+            }
+        }
+    }
+
     /// Blocks until the GPU is done with everything this fence covers.
     pub(crate) fn wait(&self) -> Result<()> {
         self.check_not_capturing()?;

@@ -68,18 +68,29 @@ mod fence;
 mod graph;
 pub mod kernels;
 pub mod layout;
+mod pipeline;
 mod space;
+mod strategy;
 mod view;
 
 pub use dataset::{Dataset, DatasetSlot};
+pub use driver::blas::{Blas, RECOMMENDED_WORKSPACE};
 pub use driver::{driver_present, memory_info, open_device};
 pub use error::{Error, Result};
 pub use fence::FencePolicy;
 pub use graph::{NodeKind, StableGraph, UpdateOutcome, UpdateReport, Work};
 pub use kernels::{DeviceBuffer, Kernels, MatmulKernel};
 pub use layout::{Layout, LayoutBuilder, Role};
+pub use pipeline::{Lane, Pipeline};
 pub use space::{Slot, Space, SpaceOptions};
+pub use strategy::{BindStrategy, CostModel};
 pub use view::SlotView;
+
+/// The raw VMM wrappers (reservation, physical memory, mapping), safe RAII types for callers
+/// that want to build their own layouts or measure the driver floor.
+pub mod vmm {
+    pub use crate::driver::vmm::{granularity, Mapping, Physical, Reservation};
+}
 
 /// cudarc, re-exported so users name the same version's contexts and streams.
 pub use cudarc;

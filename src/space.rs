@@ -3,6 +3,7 @@
 //! This is the one place that maps and unmaps datasets under a space's addresses, and it always
 //! waits on the space's [`Fence`] before unmapping.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Instant;
@@ -11,12 +12,13 @@ use bitvec::vec::BitVec;
 use cudarc::driver::{sys, CudaContext, CudaStream, DeviceRepr};
 
 use crate::dataset::Dataset;
-use crate::driver::kernels::DeviceBuffer;
 use crate::driver::vmm::{self, Mapping, Physical, Reservation};
+use crate::driver::{self, kernels::DeviceBuffer};
 use crate::error::{Error, Result};
 use crate::fence::{Fence, FencePolicy};
 use crate::graph::StableGraph;
 use crate::layout::{Layout, Placement, Role};
+use crate::strategy::{BindStrategy, CostModel};
 use crate::view::{self, SlotView};
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
@@ -78,6 +80,37 @@ impl DeviceBuffer for Slot {
 pub struct SpaceOptions {
     /// How the space waits for the GPU before unmapping (default: the whole context).
     pub fence: FencePolicy,
+    /// How groups are bound, unless `group_bind` names the group (default: remap).
+    pub bind: BindStrategy,
+    /// Per-group strategies.
+    pub group_bind: HashMap<String, BindStrategy>,
+    /// The model `BindStrategy::Auto` decides with; `None` calibrates on the device (once per
+    /// process and device).
+    pub cost_model: Option<CostModel>,
+}
+
+impl SpaceOptions {
+    pub fn fence(mut self, fence: FencePolicy) -> Self {
+        self.fence = fence;
+        self
+    }
+
+    /// The strategy of every group not named with [`SpaceOptions::group_bind`].
+    pub fn bind(mut self, strategy: BindStrategy) -> Self {
+        self.bind = strategy;
+        self
+    }
+
+    /// The strategy of group `group`.
+    pub fn group_bind(mut self, group: impl Into<String>, strategy: BindStrategy) -> Self {
+        self.group_bind.insert(group.into(), strategy);
+        self
+    }
+
+    pub fn cost_model(mut self, model: CostModel) -> Self {
+        self.cost_model = Some(model);
+        self
+    }
 }
 
 /// A long-lived virtual address range holding a layout's slots at fixed addresses.
@@ -95,12 +128,43 @@ struct Binding {
     mapping: Mapping,
 }
 
+/// What is under one group's addresses.
+#[derive(Debug)]
+enum Backing {
+    /// The bound dataset's own memory, mapped there.
+    Remap(Option<Binding>),
+    /// Memory the space owns, holding a copy of the inputs of dataset `current`.
+    CopyIn {
+        resident: Mapping,
+        current: Option<u64>,
+    },
+}
+
+impl Backing {
+    fn dataset(&self) -> Option<u64> {
+        match self {
+            Backing::Remap(binding) => binding.as_ref().map(|b| b.dataset_id),
+            Backing::CopyIn { current, .. } => *current,
+        }
+    }
+
+    fn leak_on_drop(&mut self) {
+        match self {
+            Backing::Remap(Some(binding)) => binding.mapping.leak_on_drop(),
+            Backing::Remap(None) => {}
+            Backing::CopyIn { resident, .. } => resident.leak_on_drop(),
+        }
+    }
+}
+
 #[derive(Debug)]
 pub(crate) struct SpaceState {
-    bindings: Vec<Option<Binding>>,
-    /// Bit `i` set when group `i` has a dataset mapped.
+    backings: Vec<Backing>,
+    /// Bit `i` set when group `i` has a dataset's data under it.
     bound: BitVec,
     pub(crate) fence: Fence,
+    /// Stream for copy-in binds issued without a stream.
+    copy_stream: Option<Arc<CudaStream>>,
 }
 
 // Field order is drop order: bindings (in `state`) and the scratch mapping are unmapped before
@@ -113,6 +177,7 @@ pub(crate) struct SpaceShared {
     placement: Placement,
     slots: Vec<Slot>,
     access: Vec<usize>,
+    strategies: Vec<BindStrategy>,
     state: Mutex<SpaceState>,
     scratch: Option<Mapping>,
     reservation: Arc<Reservation>,
@@ -159,10 +224,46 @@ impl Space {
             })
             .collect();
         let groups = placement.groups.len();
+        let mut strategies = Vec::with_capacity(groups);
+        let mut backings = Vec::with_capacity(groups);
+        for region in &placement.groups {
+            let mut strategy = options
+                .group_bind
+                .get(&region.name)
+                .copied()
+                .unwrap_or(options.bind);
+            if strategy == BindStrategy::Auto {
+                let model = match options.cost_model {
+                    Some(model) => model,
+                    None => CostModel::for_device(ctx)?,
+                };
+                strategy = model.choose(region.bytes);
+            }
+            backings.push(match strategy {
+                BindStrategy::CopyIn => {
+                    let physical = Arc::new(Physical::new(ctx, region.bytes, false)?);
+                    let resident = Mapping::new(
+                        &reservation,
+                        region.offset,
+                        &physical,
+                        0,
+                        region.bytes,
+                        &access,
+                    )?;
+                    Backing::CopyIn {
+                        resident,
+                        current: None,
+                    }
+                }
+                _ => Backing::Remap(None),
+            });
+            strategies.push(strategy);
+        }
         let state = SpaceState {
-            bindings: (0..groups).map(|_| None).collect(),
+            backings,
             bound: BitVec::repeat(false, groups),
             fence: Fence::new(ctx, options.fence),
+            copy_stream: None,
         };
         let id = next_id();
         tracing::debug!(
@@ -180,6 +281,7 @@ impl Space {
                 placement,
                 slots,
                 access,
+                strategies,
                 state: Mutex::new(state),
                 scratch,
                 reservation,
@@ -233,16 +335,44 @@ impl Space {
         )
     }
 
-    /// Puts `dataset` under its group's slots, replacing what was bound there.
+    /// Puts `dataset`'s data under its group's slots, replacing what was there, and returns
+    /// when it is done.
     ///
-    /// One unmap, one map and one set-access for the whole group, whatever its slot count. Waits
-    /// on the space's fence first, so no work still using the previous dataset is cut off. All or
-    /// nothing: if mapping the new dataset fails, the previous one is mapped back and the error is
-    /// returned. Binding the dataset already bound is a no-op.
+    /// With [`BindStrategy::Remap`]: one unmap, one map and one set-access for the whole group,
+    /// whatever its slot count, after waiting on the space's fence so no work still using the
+    /// previous dataset is cut off. All or nothing: if mapping the new dataset fails, the previous
+    /// one is mapped back and the error is returned.
+    /// With [`BindStrategy::CopyIn`]: the dataset's input slots are copied into the space's own
+    /// memory, after the fence. A copy that fails leaves the group unbound (its memory may hold
+    /// part of the new data), so replays report [`Error::Unbound`] rather than mixing datasets.
+    /// Binding the dataset already bound is a no-op.
     pub fn bind(&self, dataset: &Dataset) -> Result<()> {
-        self.shared.bind(dataset)?;
+        self.shared.bind(dataset, None)?;
         dataset.note_bound_in(Arc::downgrade(&self.shared));
         Ok(())
+    }
+
+    /// Like [`Space::bind`], but a copy-in group's copy is enqueued on `stream` and not waited
+    /// for: work later enqueued on `stream` sees the new data. With
+    /// [`FencePolicy::AttachedStreams`] the copy waits on the GPU (not the host) for the other
+    /// attached streams; with the context fence the host waits first. Remap groups bind exactly
+    /// as with [`Space::bind`].
+    pub fn bind_on(&self, dataset: &Dataset, stream: &Arc<CudaStream>) -> Result<()> {
+        self.shared.bind(dataset, Some(stream))?;
+        dataset.note_bound_in(Arc::downgrade(&self.shared));
+        Ok(())
+    }
+
+    /// For a copy-in group with `dataset` bound: copies the output slots from the space's memory
+    /// into the dataset, on `stream`, and waits. For a remap group outputs are already in the
+    /// dataset and nothing is done.
+    pub fn copy_out(&self, dataset: &Dataset, stream: &Arc<CudaStream>) -> Result<()> {
+        self.shared.copy_out(dataset, stream)
+    }
+
+    /// The strategy group `group` was resolved to (`Remap` or `CopyIn`, never `Auto`).
+    pub fn strategy(&self, group: &str) -> Result<BindStrategy> {
+        Ok(self.shared.strategies[self.shared.placement.group_index(group)?])
     }
 
     /// Unmaps group `group` (after waiting on the fence). Replays then fail with
@@ -255,9 +385,7 @@ impl Space {
     /// The id of the dataset bound under `group`, if any.
     pub fn bound_dataset(&self, group: &str) -> Result<Option<u64>> {
         let index = self.shared.placement.group_index(group)?;
-        Ok(self.shared.lock().bindings[index]
-            .as_ref()
-            .map(|b| b.dataset_id))
+        Ok(self.shared.lock().backings[index].dataset())
     }
 
     /// Whether every group has a dataset bound.
@@ -381,85 +509,147 @@ impl SpaceShared {
         Ok(index)
     }
 
-    fn bind(&self, dataset: &Dataset) -> Result<()> {
+    fn bind(&self, dataset: &Dataset, stream: Option<&Arc<CudaStream>>) -> Result<()> {
         let index = self.check_compatible(dataset)?;
         let region = &self.placement.groups[index];
         let mut state = self.lock();
-        if state.bindings[index]
-            .as_ref()
-            .is_some_and(|b| b.dataset_id == dataset.id())
-        {
+        if state.backings[index].dataset() == Some(dataset.id()) {
             return Ok(());
         }
         let span = tracing::debug_span!("bind", space = self.id, group = %region.name, bytes = region.bytes);
         let _entered = span.enter();
         let start = Instant::now();
-        state.fence.wait()?;
-        let previous = state.bindings[index].take();
-        let restore = previous
-            .as_ref()
-            .map(|b| (b.dataset_id, b.mapping.physical().clone()));
-        state.bound.set(index, false);
-        drop(previous); // unmaps: the fence above has drained every use
-        match Mapping::new(
-            &self.reservation,
-            region.offset,
-            dataset.physical(),
-            0,
-            region.bytes,
-            &self.access,
-        ) {
-            Ok(mapping) => {
-                state.bindings[index] = Some(Binding {
-                    dataset_id: dataset.id(),
-                    mapping,
-                });
-                state.bound.set(index, true);
-                tracing::debug!(
-                    dataset = dataset.id(),
-                    micros = start.elapsed().as_secs_f64() * 1e6,
-                    "bound"
-                );
-                Ok(())
-            }
-            Err(error) => {
-                if let Some((dataset_id, physical)) = restore {
-                    match Mapping::new(
+        let state = &mut *state;
+        match &mut state.backings[index] {
+            Backing::Remap(slot) => {
+                state.fence.wait()?;
+                let previous = slot.take();
+                let restore = previous
+                    .as_ref()
+                    .map(|b| (b.dataset_id, b.mapping.physical().clone()));
+                state.bound.set(index, false);
+                drop(previous); // unmaps: the fence above has drained every use
+                let map = |physical: &Arc<Physical>| {
+                    Mapping::new(
                         &self.reservation,
                         region.offset,
-                        &physical,
+                        physical,
                         0,
                         region.bytes,
                         &self.access,
-                    ) {
-                        Ok(mapping) => {
-                            state.bindings[index] = Some(Binding {
-                                dataset_id,
-                                mapping,
-                            });
-                            state.bound.set(index, true);
+                    )
+                };
+                match map(dataset.physical()) {
+                    Ok(mapping) => {
+                        *slot = Some(Binding {
+                            dataset_id: dataset.id(),
+                            mapping,
+                        })
+                    }
+                    Err(error) => {
+                        if let Some((dataset_id, physical)) = restore {
+                            match map(&physical) {
+                                Ok(mapping) => {
+                                    *slot = Some(Binding {
+                                        dataset_id,
+                                        mapping,
+                                    });
+                                    state.bound.set(index, true);
+                                }
+                                Err(restore_error) => {
+                                    tracing::error!(%restore_error, "could not map the previous dataset back");
+                                }
+                            }
                         }
-                        Err(restore_error) => {
-                            tracing::error!(%restore_error, "could not map the previous dataset back");
-                        }
+                        return Err(error);
                     }
                 }
-                Err(error)
+            }
+            Backing::CopyIn { resident, current } => {
+                let copy_stream = match stream {
+                    Some(stream) => {
+                        state.fence.order_before(stream)?;
+                        stream.clone()
+                    }
+                    None => {
+                        state.fence.wait()?;
+                        match &state.copy_stream {
+                            Some(s) => s.clone(),
+                            None => {
+                                let s =
+                                    driver::traced("cuStreamCreate", 0, || self.ctx.new_stream())?;
+                                state.fence.attach(&s);
+                                state.copy_stream = Some(s.clone());
+                                s
+                            }
+                        }
+                    }
+                };
+                state.fence.attach(&copy_stream);
+                *current = None;
+                state.bound.set(index, false);
+                for (offset, bytes) in dataset.input_runs() {
+                    let source = dataset.home_ptr() + offset as u64;
+                    let target = resident.ptr() + offset as u64;
+                    driver::copy_device(&copy_stream, source, target, bytes)?;
+                }
+                if stream.is_none() {
+                    driver::synchronize_stream(&copy_stream)?;
+                }
+                *current = Some(dataset.id());
             }
         }
+        state.bound.set(index, true);
+        tracing::debug!(
+            dataset = dataset.id(),
+            micros = start.elapsed().as_secs_f64() * 1e6,
+            "bound"
+        );
+        Ok(())
     }
 
-    /// Unmaps group `index`, if bound (to `only_dataset`, when given).
+    fn copy_out(&self, dataset: &Dataset, stream: &Arc<CudaStream>) -> Result<()> {
+        let index = self.check_compatible(dataset)?;
+        let mut state = self.lock();
+        let state = &mut *state;
+        if let Backing::CopyIn { resident, current } = &state.backings[index] {
+            if *current != Some(dataset.id()) {
+                return Err(Error::Unbound {
+                    group: dataset.group().into(),
+                });
+            }
+            state.fence.attach(stream);
+            for (offset, bytes) in dataset.output_runs() {
+                driver::copy_device(
+                    stream,
+                    resident.ptr() + offset as u64,
+                    dataset.home_ptr() + offset as u64,
+                    bytes,
+                )?;
+            }
+            driver::synchronize_stream(stream)?;
+        }
+        Ok(())
+    }
+
+    /// Takes group `index`'s data away, if bound (to `only_dataset`, when given).
     pub(crate) fn unbind_group(&self, index: usize, only_dataset: Option<u64>) -> Result<()> {
         let mut state = self.lock();
-        let Some(binding) = &state.bindings[index] else {
+        let state = &mut *state;
+        let Some(bound) = state.backings[index].dataset() else {
             return Ok(());
         };
-        if only_dataset.is_some_and(|id| id != binding.dataset_id) {
+        if only_dataset.is_some_and(|id| id != bound) {
             return Ok(());
         }
-        state.fence.wait()?;
-        state.bindings[index] = None; // unmaps
+        match &mut state.backings[index] {
+            Backing::Remap(slot) => {
+                state.fence.wait()?;
+                *slot = None; // unmaps
+            }
+            // The copy stays in the space's memory; only the claim that it is current goes.
+            Backing::CopyIn { current, .. } => *current = None,
+        }
         state.bound.set(index, false);
         tracing::debug!(space = self.id, group = %self.placement.groups[index].name, "unbound");
         Ok(())
@@ -475,18 +665,12 @@ impl Drop for SpaceShared {
         if let Err(error) = state.fence.wait() {
             // Without proof that the GPU is done, nothing is unmapped: leak instead.
             tracing::error!(%error, space = self.id, "waiting for the GPU before freeing a space failed; leaking it");
-            state
-                .bindings
-                .iter_mut()
-                .flatten()
-                .for_each(|b| b.mapping.leak_on_drop());
+            state.backings.iter_mut().for_each(Backing::leak_on_drop);
             if let Some(scratch) = &mut self.scratch {
                 scratch.leak_on_drop();
             }
         }
-        for binding in &mut state.bindings {
-            *binding = None;
-        }
+        state.backings.clear(); // unmaps, before `scratch` and `reservation` drop
     }
 }
 

@@ -232,7 +232,7 @@ fn rebind_under_a_long_kernel(policy: FencePolicy) -> (Duration, Vec<f32>, Vec<f
         n: 128,
         k: 128,
     };
-    let options = SpaceOptions { fence: policy };
+    let options = SpaceOptions::default().fence(policy);
     let space = Space::with_options(&gpu.ctx, p.layout(), options).unwrap();
     space.attach(&gpu.stream);
     let (old, want_old) = p.dataset(&gpu, &space, &mut rng);
@@ -285,9 +285,7 @@ fn a_stream_fence_lets_one_space_rebind_while_another_space_computes() {
         n: 64,
         k: 64,
     };
-    let options = SpaceOptions {
-        fence: FencePolicy::AttachedStreams,
-    };
+    let options = SpaceOptions::default().fence(FencePolicy::AttachedStreams);
     let busy = Space::with_options(&gpu.ctx, p.layout(), options.clone()).unwrap();
     let idle = Space::with_options(&gpu.ctx, p.layout(), options).unwrap();
     let other_stream = gpu.ctx.new_stream().unwrap();

@@ -6,10 +6,11 @@
 //! Every driver call goes through [`traced`]: a `debug` span named after the call, with the bytes
 //! it concerns, and a `debug` event with its duration and result.
 
+pub mod blas;
 pub(crate) mod graph;
 pub(crate) mod interop;
 pub mod kernels;
-pub(crate) mod vmm;
+pub mod vmm;
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -102,6 +103,23 @@ pub(crate) fn is_capturing(stream: &CudaStream) -> Result<bool> {
 
 pub(crate) fn synchronize_stream(stream: &CudaStream) -> Result<()> {
     traced("cuStreamSynchronize", 0, || stream.synchronize())
+}
+
+/// Enqueues a device-to-device copy of `bytes` from `source` to `target` on `stream`.
+pub(crate) fn copy_device(
+    stream: &CudaStream,
+    source: sys::CUdeviceptr,
+    target: sys::CUdeviceptr,
+    bytes: usize,
+) -> Result<()> {
+    bind_context(stream.context())?;
+    traced("cuMemcpyDtoDAsync", bytes, || {
+        // SAFETY: callers pass ranges inside live mappings they hold (a dataset's home mapping
+        // and a space's resident mapping) that stay mapped until the stream is fenced.
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(target, source, bytes, stream.cu_stream())
+        }
+    })
 }
 
 pub(crate) fn synchronize_context(ctx: &CudaContext) -> Result<()> {

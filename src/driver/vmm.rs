@@ -38,7 +38,7 @@ fn ordinal_of(ctx: &CudaContext) -> i32 {
 
 /// The allocation granularity of `ctx`'s device: every size and offset of a mapping is a
 /// multiple of it (2 MiB on current NVIDIA GPUs).
-pub(crate) fn granularity(ctx: &CudaContext, shareable: bool) -> Result<usize> {
+pub fn granularity(ctx: &CudaContext, shareable: bool) -> Result<usize> {
     bind_context(ctx)?;
     let prop = allocation_prop(ordinal_of(ctx), shareable);
     let mut granularity = 0usize;
@@ -57,7 +57,7 @@ pub(crate) fn granularity(ctx: &CudaContext, shareable: bool) -> Result<usize> {
 
 /// A range of device virtual addresses, reserved with no memory behind it.
 #[derive(Debug)]
-pub(crate) struct Reservation {
+pub struct Reservation {
     ctx: Arc<CudaContext>,
     base: sys::CUdeviceptr,
     bytes: usize,
@@ -65,7 +65,7 @@ pub(crate) struct Reservation {
 
 impl Reservation {
     /// Reserves `bytes` (a multiple of the granularity) aligned to `alignment`.
-    pub(crate) fn new(ctx: &Arc<CudaContext>, bytes: usize, alignment: usize) -> Result<Self> {
+    pub fn new(ctx: &Arc<CudaContext>, bytes: usize, alignment: usize) -> Result<Self> {
         bind_context(ctx)?;
         let mut base: sys::CUdeviceptr = 0;
         traced_raw("cuMemAddressReserve", bytes, || {
@@ -79,11 +79,11 @@ impl Reservation {
         })
     }
 
-    pub(crate) fn base(&self) -> sys::CUdeviceptr {
+    pub fn base(&self) -> sys::CUdeviceptr {
         self.base
     }
 
-    pub(crate) fn bytes(&self) -> usize {
+    pub fn bytes(&self) -> usize {
         self.bytes
     }
 }
@@ -106,7 +106,7 @@ impl Drop for Reservation {
 
 /// Physical device memory with no address (`cuMemCreate`).
 #[derive(Debug)]
-pub(crate) struct Physical {
+pub struct Physical {
     ctx: Arc<CudaContext>,
     handle: sys::CUmemGenericAllocationHandle,
     bytes: usize,
@@ -115,7 +115,7 @@ pub(crate) struct Physical {
 
 impl Physical {
     /// Allocates `bytes` (a multiple of the granularity) on `ctx`'s device.
-    pub(crate) fn new(ctx: &Arc<CudaContext>, bytes: usize, shareable: bool) -> Result<Self> {
+    pub fn new(ctx: &Arc<CudaContext>, bytes: usize, shareable: bool) -> Result<Self> {
         bind_context(ctx)?;
         let prop = allocation_prop(ordinal_of(ctx), shareable);
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
@@ -131,7 +131,7 @@ impl Physical {
         })
     }
 
-    pub(crate) fn bytes(&self) -> usize {
+    pub fn bytes(&self) -> usize {
         self.bytes
     }
 
@@ -160,7 +160,7 @@ impl Drop for Physical {
 /// Physical memory mapped at an address inside a reservation, readable and writable by the
 /// devices it was given access for. Unmapped on drop.
 #[derive(Debug)]
-pub(crate) struct Mapping {
+pub struct Mapping {
     ptr: sys::CUdeviceptr,
     bytes: usize,
     physical: Arc<Physical>,
@@ -174,7 +174,7 @@ impl Mapping {
     /// Maps `bytes` of `physical`, starting at `physical_offset`, at `reservation`'s base +
     /// `offset`, and grants read-write access to `access_devices` (device ordinals). All or
     /// nothing: if access cannot be set, the range is unmapped again before returning the error.
-    pub(crate) fn new(
+    pub fn new(
         reservation: &Arc<Reservation>,
         offset: usize,
         physical: &Arc<Physical>,
@@ -234,11 +234,11 @@ impl Mapping {
         })
     }
 
-    pub(crate) fn ptr(&self) -> sys::CUdeviceptr {
+    pub fn ptr(&self) -> sys::CUdeviceptr {
         self.ptr
     }
 
-    pub(crate) fn bytes(&self) -> usize {
+    pub fn bytes(&self) -> usize {
         self.bytes
     }
 
