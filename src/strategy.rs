@@ -89,9 +89,7 @@ impl CostModel {
         let mut remap = [0.0; 2];
         let mut copy = [0.0; 2];
         let gran = granularity(ctx, false)?;
-        let stream = ctx
-            .new_stream()
-            .map_err(|e| driver::driver_error("cuStreamCreate", 0, e.0))?;
+        let stream = driver::traced("cuStreamCreate", 0, || ctx.new_stream())?;
         let access = [ctx.ordinal()];
         for (i, &bytes) in sizes.iter().enumerate() {
             let reservation = Arc::new(Reservation::new(ctx, 2 * bytes, gran)?);
