@@ -408,16 +408,17 @@ fn main() -> Result<()> {
     let rotate: Pick = |i, n, _| i % n;
     let fixed: Pick = |_, _, _| 0;
     let per_lane: Pick = |i, n, lanes| (i % lanes) % n;
-    let pipelined: [(&'static str, Pick, Pick, usize); 5] = [
-        ("stablebuf pipelined, rebind every step", rotate, rotate, 2),
-        ("stablebuf pipelined, no rebind", fixed, fixed, 2),
-        ("  diagnostic: rebind batch only", fixed, rotate, 2),
-        ("  diagnostic: no rebind, lanes differ", per_lane, fixed, 2),
+    let pipelined: [(&'static str, Pick, Pick, usize); 6] = [
+        ("stablebuf 2 lanes, rebind every step", rotate, rotate, 2),
+        ("stablebuf 2 lanes, no rebind", fixed, fixed, 2),
+        ("stablebuf 3 lanes, rebind every step", rotate, rotate, 3),
+        ("stablebuf 3 lanes, no rebind", fixed, fixed, 3),
+        ("  diagnostic: 2 lanes, batch rebind only", fixed, rotate, 2),
         (
-            "  diagnostic: 3 lanes, rebind every step",
-            rotate,
-            rotate,
-            3,
+            "  diagnostic: 2 lanes differ, no rebind",
+            per_lane,
+            fixed,
+            2,
         ),
     ];
     for (name, weight_of, batch_of, count) in pipelined {
