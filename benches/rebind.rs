@@ -75,6 +75,10 @@ fn rebind_vs_copy(c: &mut Criterion, gpu: &Gpu, rec: &Recorder) -> Vec<String> {
             spaces[0].1.new_dataset("data").unwrap(),
             spaces[0].1.new_dataset("data").unwrap(),
         ];
+        println!(
+            "auto resolved {row} to {:?}",
+            spaces[2].1.strategy("data").unwrap()
+        );
         for (variant, space) in &spaces {
             let head = Head(space.slot("d").unwrap().device_ptr());
             space.bind(&datasets[0]).unwrap();

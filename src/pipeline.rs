@@ -11,8 +11,8 @@
 //! How many lanes: a bind into lane `L` waits for `L`'s previous replay. With 2 lanes that wait
 //! ends just as the other lane's replay starts, so the remap lands partly on the critical path;
 //! with 3 the host runs a full replay ahead. Measured on an H100 with a 3×4096 FP32 MLP whose
-//! 192 MiB of weights and 4 MiB batch are rebound every step: 2 lanes +7.5% per step over the
-//! same lanes never rebinding, 3 lanes within noise of it. Use 3 unless memory for the third
+//! 192 MiB of weights and 4 MiB batch are rebound every step: 2 lanes +7.5% to +12% per step over
+//! the same lanes never rebinding, 3 lanes +0.7%. Use 3 unless memory for the third
 //! lane's scratch is short.
 //!
 //! Each lane's space uses [`FencePolicy::AttachedStreams`], so a bind into one lane waits for
