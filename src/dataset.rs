@@ -202,14 +202,7 @@ impl Dataset {
         data: &[T],
     ) -> Result<()> {
         let slot = self.slot(name)?;
-        let host_bytes = std::mem::size_of_val(data);
-        if host_bytes != slot.bytes {
-            return Err(Error::HostLength {
-                slot: name.into(),
-                slot_bytes: slot.bytes,
-                host_bytes,
-            });
-        }
+        view::require_host_len(name, slot.bytes, data)?;
         let mut view = self.view::<T>(name, stream)?;
         view::write(&mut view, name, data)
     }

@@ -416,15 +416,8 @@ impl Space {
         name: &str,
         data: &[T],
     ) -> Result<()> {
-        let host_bytes = std::mem::size_of_val(data);
         let slot = self.slot(name)?;
-        if host_bytes != slot.bytes {
-            return Err(Error::HostLength {
-                slot: name.into(),
-                slot_bytes: slot.bytes,
-                host_bytes,
-            });
-        }
+        view::require_host_len(name, slot.bytes, data)?;
         let mut view = self.view::<T>(name, stream)?;
         view::write(&mut view, name, data)
     }

@@ -68,6 +68,20 @@ pub(crate) fn element_count<T>(slot: &str, bytes: usize) -> Result<usize> {
     Ok(bytes / elem)
 }
 
+/// `Err(HostLength)` unless `data` is exactly `slot_bytes` long. Checked before a view is made,
+/// so a wrong length is reported as such even when the slot is not a whole number of `T`.
+pub(crate) fn require_host_len<T>(slot: &str, slot_bytes: usize, data: &[T]) -> Result<()> {
+    let host_bytes = std::mem::size_of_val(data);
+    if host_bytes != slot_bytes {
+        return Err(Error::HostLength {
+            slot: slot.into(),
+            slot_bytes,
+            host_bytes,
+        });
+    }
+    Ok(())
+}
+
 /// Copies `data` into the view and waits for the copy, so `data` may be dropped at once.
 pub(crate) fn write<T: DeviceRepr>(
     view: &mut SlotView<'_, T>,

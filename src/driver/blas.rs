@@ -5,7 +5,7 @@ use std::sync::Arc;
 use cudarc::cublas::{result as cublas, sys as cublas_sys, CudaBlas};
 use cudarc::driver::CudaStream;
 
-use super::kernels::DeviceBuffer;
+use super::kernels::{dim, need, DeviceBuffer};
 use crate::error::{Error, Result};
 
 /// Bytes of workspace cuBLAS wants on Hopper; smaller GPUs use less of it.
@@ -57,27 +57,10 @@ impl Blas {
         n: usize,
         k: usize,
     ) -> Result<()> {
-        let to_int = |name: &str, v: usize| match i32::try_from(v) {
-            Ok(v) if v > 0 => Ok(v),
-            _ => Err(Error::InvalidShape(format!(
-                "{name} = {v} must be in 1..=i32::MAX"
-            ))),
-        };
-        let (mi, ni, ki) = (to_int("m", m)?, to_int("n", n)?, to_int("k", k)?);
-        for (what, buffer, elems) in [
-            ("sgemm A", a as &dyn DeviceBuffer, m * k),
-            ("sgemm B", b, k * n),
-            ("sgemm C", c, m * n),
-        ] {
-            let needed = elems * 4;
-            if buffer.byte_len() < needed {
-                return Err(Error::BufferTooSmall {
-                    what,
-                    needed,
-                    available: buffer.byte_len(),
-                });
-            }
-        }
+        let (mi, ni, ki) = (dim("m", m)?, dim("n", n)?, dim("k", k)?);
+        need("sgemm A", a, [m, k])?;
+        need("sgemm B", b, [k, n])?;
+        need("sgemm C", c, [m, n])?;
         let (alpha, beta) = (1.0f32, 0.0f32);
         let (pa, pb, pc) = (a.device_address(), b.device_address(), c.device_address());
         let op = cublas_sys::cublasOperation_t::CUBLAS_OP_N;

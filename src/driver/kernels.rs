@@ -49,7 +49,7 @@ pub struct Kernels {
 
 const F32: usize = std::mem::size_of::<f32>();
 
-fn dim(name: &str, value: usize) -> Result<i32> {
+pub(crate) fn dim(name: &str, value: usize) -> Result<i32> {
     match i32::try_from(value) {
         Ok(v) if v > 0 => Ok(v),
         _ => Err(Error::InvalidShape(format!(
@@ -58,7 +58,7 @@ fn dim(name: &str, value: usize) -> Result<i32> {
     }
 }
 
-fn need(what: &'static str, buffer: &dyn DeviceBuffer, elems: [usize; 2]) -> Result<()> {
+pub(crate) fn need(what: &'static str, buffer: &dyn DeviceBuffer, elems: [usize; 2]) -> Result<()> {
     let needed = elems[0]
         .checked_mul(elems[1])
         .and_then(|n| n.checked_mul(F32))
