@@ -10,25 +10,20 @@
 
 #[path = "../tests/common/mod.rs"]
 mod common;
+#[path = "mlp/mod.rs"]
+mod mlp;
 
 use std::io::Write;
 use std::sync::Arc;
 use std::time::Instant;
 
 use common::{assert_matches, random_vec, rng};
+use mlp::{cpu_forward, forward, layout, space_work, HostWeights, Pass, Raw, Shape};
 use stablebuf::cudarc::driver::{sys, CudaContext, CudaStream};
 use stablebuf::{
-    open_device, BindStrategy, Blas, Dataset, DeviceBuffer, Kernels, Layout, MatmulKernel,
-    Pipeline, Result, Slot, Space, SpaceOptions, StableGraph, RECOMMENDED_WORKSPACE,
+    open_device, BindStrategy, Blas, Dataset, Kernels, Layout, Pipeline, Result, Space,
+    SpaceOptions, StableGraph,
 };
-
-#[derive(Clone, Copy)]
-struct Shape {
-    layers: usize,
-    hidden: usize,
-    batch: usize,
-    ptx: bool,
-}
 
 struct Args {
     shape: Shape,
@@ -72,138 +67,6 @@ fn parse_args() -> Args {
         }
     }
     args
-}
-
-fn layout(shape: Shape) -> Result<Layout> {
-    let (h, b) = (shape.hidden, shape.batch);
-    let mut builder = Layout::builder().group("weights");
-    for l in 0..shape.layers {
-        builder = builder
-            .input(format!("w{l}"), h * h * 4)
-            .input(format!("b{l}"), h * 4);
-    }
-    builder = builder.group("batch").input("x", b * h * 4);
-    for l in 0..shape.layers {
-        builder = builder.scratch(format!("h{l}"), b * h * 4);
-    }
-    builder.scratch("workspace", RECOMMENDED_WORKSPACE).build()
-}
-
-/// A device buffer given by address, for the re-capture variant (which points graphs at the
-/// datasets' own addresses, as a loop without stable slots must).
-struct Raw(u64, usize);
-
-impl DeviceBuffer for Raw {
-    fn device_address(&self) -> sys::CUdeviceptr {
-        self.0
-    }
-    fn byte_len(&self) -> usize {
-        self.1
-    }
-}
-
-/// The addresses one forward pass uses.
-struct Pass<T> {
-    x: T,
-    weights: Vec<(T, T)>,
-    hidden: Vec<T>,
-}
-
-/// Enqueues the MLP's forward pass.
-fn forward<T: DeviceBuffer>(
-    blas: &Blas,
-    kernels: &Kernels,
-    stream: &Arc<CudaStream>,
-    p: &Pass<T>,
-    shape: Shape,
-) -> Result<()> {
-    let (h, b) = (shape.hidden, shape.batch);
-    for l in 0..shape.layers {
-        let input = if l == 0 { &p.x } else { &p.hidden[l - 1] };
-        if shape.ptx {
-            kernels.matmul(
-                stream,
-                MatmulKernel::Auto,
-                input,
-                &p.weights[l].0,
-                &p.hidden[l],
-                b,
-                h,
-                h,
-            )?;
-        } else {
-            blas.sgemm(input, &p.weights[l].0, &p.hidden[l], b, h, h)?;
-        }
-        kernels.bias_act(
-            stream,
-            &p.hidden[l],
-            &p.weights[l].1,
-            b,
-            h,
-            l + 1 < shape.layers,
-        )?;
-    }
-    Ok(())
-}
-
-fn slot_pass(space: &Space, shape: Shape) -> Result<Pass<Slot>> {
-    let get = |name: String| space.slot(&name).cloned();
-    Ok(Pass {
-        x: get("x".into())?,
-        weights: (0..shape.layers)
-            .map(|l| Ok((get(format!("w{l}"))?, get(format!("b{l}"))?)))
-            .collect::<Result<_>>()?,
-        hidden: (0..shape.layers)
-            .map(|l| get(format!("h{l}")))
-            .collect::<Result<_>>()?,
-    })
-}
-
-/// The work one space's graph replays: a cuBLAS handle on `stream` with the space's workspace.
-fn space_work(
-    space: &Space,
-    stream: &Arc<CudaStream>,
-    kernels: &Arc<Kernels>,
-    shape: Shape,
-) -> Result<impl FnMut(&Arc<CudaStream>) -> Result<()> + Send + 'static> {
-    let blas = Blas::new(stream, space.slot("workspace")?)?;
-    let pass = slot_pass(space, shape)?;
-    // Warm up outside the capture (cuBLAS picks and loads its kernels on first use).
-    let kernels = kernels.clone();
-    Ok(move |s: &Arc<CudaStream>| forward(&blas, &kernels, s, &pass, shape))
-}
-
-/// Host copies of one weight set: (w, b) per layer.
-type HostWeights = Vec<(Vec<f32>, Vec<f32>)>;
-
-/// CPU reference for `rows` sampled rows of the batch: returns rows × hidden outputs.
-fn cpu_forward(x: &[f32], weights: &HostWeights, rows: &[usize], shape: Shape) -> Vec<f32> {
-    let h = shape.hidden;
-    let mut out = Vec::new();
-    for &r in rows {
-        let mut act: Vec<f64> = x[r * h..(r + 1) * h]
-            .iter()
-            .map(|&v| f64::from(v))
-            .collect();
-        for (l, (w, b)) in weights.iter().enumerate() {
-            let mut next = vec![0f64; h];
-            for (k, a) in act.iter().enumerate() {
-                let row = &w[k * h..(k + 1) * h];
-                for (n, wv) in next.iter_mut().zip(row) {
-                    *n += a * f64::from(*wv);
-                }
-            }
-            for (n, bv) in next.iter_mut().zip(b) {
-                *n += f64::from(*bv);
-                if l + 1 < shape.layers && *n < 0.0 {
-                    *n = 0.0;
-                }
-            }
-            act = next;
-        }
-        out.extend(act.iter().map(|&v| v as f32));
-    }
-    out
 }
 
 struct Data {
@@ -533,7 +396,7 @@ fn main() -> Result<()> {
                     .iter()
                     .find(|s| s.name == name)
                     .expect("slot of the layout");
-                Ok(Raw(d.home_ptr() + s.offset as u64, s.bytes))
+                Ok(Raw(d.home_ptr()? + s.offset as u64, s.bytes))
             };
             let pass = Pass {
                 x: raw(x, "x")?,

@@ -16,10 +16,12 @@ use std::sync::{Arc, Mutex, Weak};
 
 use cudarc::driver::{CudaContext, CudaStream, DeviceRepr};
 
+use crate::driver;
 use crate::driver::vmm::{self, Mapping, Physical, Reservation};
 use crate::error::{Error, Result};
 use crate::fence::{Fence, FencePolicy};
 use crate::layout::{Layout, Placement, Role};
+use crate::offload::{self, HostCopy, HostStorage, StorageUsed, TransferReport};
 use crate::space::{next_id, unbind_everywhere, SpaceShared};
 use crate::view::{self, SlotView};
 
@@ -47,8 +49,31 @@ pub struct Dataset {
     slots: Vec<DatasetSlot>,
     fence: Mutex<Fence>,
     bound_in: Mutex<Vec<Weak<SpaceShared>>>,
-    /// Maps the memory at the dataset's own address; owns the physical allocation.
-    home: Mapping,
+    access: Vec<usize>,
+    bytes: usize,
+    tag: Option<String>,
+    refill: Option<RefillFn>,
+    /// Where the bytes are: mapped at the dataset's own address (owning the physical memory),
+    /// or on the host after an offload.
+    residency: Residency,
+}
+
+/// Regenerates a discarded dataset's contents on restore (say, reloads weights from disk).
+pub type Refill = Box<dyn FnMut(&Dataset, &Arc<CudaStream>) -> Result<()> + Send + Sync>;
+
+/// Holds a [`Refill`]; it is a closure, so `Debug` shows only that one is set.
+struct RefillFn(Refill);
+
+impl std::fmt::Debug for RefillFn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Refill")
+    }
+}
+
+#[derive(Debug)]
+enum Residency {
+    Device(Mapping),
+    Host(HostCopy),
 }
 
 impl Dataset {
@@ -60,13 +85,7 @@ impl Dataset {
         access: &[usize],
     ) -> Result<Self> {
         let region = &placement.groups[group_index];
-        let physical = Arc::new(Physical::new(ctx, region.bytes, false)?);
-        let reservation = Arc::new(Reservation::new(
-            ctx,
-            region.bytes,
-            vmm::granularity(ctx, false)?,
-        )?);
-        let home = Mapping::new(&reservation, 0, &physical, 0, region.bytes, access)?;
+        let home = map_home(ctx, region.bytes, access)?;
         let slots = region
             .slots
             .iter()
@@ -92,7 +111,11 @@ impl Dataset {
             slots,
             fence: Mutex::new(Fence::new(ctx, FencePolicy::Context)),
             bound_in: Mutex::new(Vec::new()),
-            home,
+            access: access.to_vec(),
+            bytes: region.bytes,
+            tag: None,
+            refill: None,
+            residency: Residency::Device(home),
         })
     }
 
@@ -108,7 +131,7 @@ impl Dataset {
 
     /// Bytes of physical memory (the group's size, rounded to the granularity).
     pub fn bytes(&self) -> usize {
-        self.home.bytes()
+        self.bytes
     }
 
     /// Fingerprint of the layout it was made for.
@@ -128,9 +151,142 @@ impl Dataset {
         self.group_index
     }
 
-    /// The dataset's private address (its home mapping).
-    pub fn home_ptr(&self) -> u64 {
-        self.home.ptr()
+    /// The dataset's private address (its home mapping); `Err(Offloaded)` while offloaded.
+    pub fn home_ptr(&self) -> Result<u64> {
+        Ok(self.home()?.ptr())
+    }
+
+    fn home(&self) -> Result<&Mapping> {
+        match &self.residency {
+            Residency::Device(home) => Ok(home),
+            Residency::Host(_) => Err(Error::Offloaded { dataset: self.id }),
+        }
+    }
+
+    /// Whether the bytes are in device memory (not offloaded).
+    pub fn is_resident(&self) -> bool {
+        matches!(self.residency, Residency::Device(_))
+    }
+
+    /// A label for group operations ([`offload_tagged`](crate::offload_tagged)).
+    pub fn set_tag(&mut self, tag: impl Into<String>) {
+        self.tag = Some(tag.into());
+    }
+
+    pub fn tag(&self) -> Option<&str> {
+        self.tag.as_deref()
+    }
+
+    /// What restore runs after an offload with [`HostStorage::Discard`] (instead of leaving the
+    /// memory uninitialised).
+    pub fn set_refill(
+        &mut self,
+        refill: impl FnMut(&Dataset, &Arc<CudaStream>) -> Result<()> + Send + Sync + 'static,
+    ) {
+        self.refill = Some(RefillFn(Box::new(refill)));
+    }
+
+    /// Moves the contents to `storage` and releases the device memory (device free memory rises
+    /// by [`Dataset::bytes`]). The dataset keeps its identity: after [`Dataset::restore`] and a
+    /// bind, graphs captured over its slots replay on the same contents.
+    ///
+    /// A bound dataset is unbound first, from every space, after the GPU is done with it. If host
+    /// memory cannot be had, the dataset stays on the device with its contents (unbound, if it
+    /// was bound: bind it again). Offloading an offloaded dataset is a no-op.
+    pub fn offload(
+        &mut self,
+        storage: &HostStorage,
+        stream: &Arc<CudaStream>,
+    ) -> Result<TransferReport> {
+        let (id, bytes) = (self.id, self.bytes);
+        let Residency::Device(home) = &self.residency else {
+            return Ok(TransferReport {
+                dataset: id,
+                bytes: 0,
+                elapsed: Default::default(),
+                storage: StorageUsed::Discarded,
+            });
+        };
+        let home_ptr = home.ptr();
+        let mut copy = None;
+        let report = offload::timed(id, bytes, "offload", || {
+            // Nothing may still write the memory while it is copied out.
+            self.unbind_all()?;
+            self.fence
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .wait()?;
+            let saved = offload::save(storage, stream, home_ptr, bytes)?;
+            let used = saved.storage();
+            copy = Some(saved);
+            Ok(used)
+        })?;
+        if let Some(copy) = copy {
+            // Dropping the home mapping unmaps and releases the memory (no space maps it now).
+            self.residency = Residency::Host(copy);
+        }
+        Ok(report)
+    }
+
+    /// Brings an offloaded dataset back into new device memory (no-op if resident). Bind it
+    /// again to put it under a space's slots.
+    ///
+    /// On out-of-memory returns [`Error::RestoreOutOfMemory`] with what was asked and what is
+    /// free; the host copy is kept, and a retry after memory is freed succeeds.
+    pub fn restore(&mut self, stream: &Arc<CudaStream>) -> Result<TransferReport> {
+        let (id, bytes) = (self.id, self.bytes);
+        let Residency::Host(copy) = &self.residency else {
+            return Ok(TransferReport {
+                dataset: id,
+                bytes: 0,
+                elapsed: Default::default(),
+                storage: StorageUsed::Arena,
+            });
+        };
+        let mut home = None;
+        let report = offload::timed(id, bytes, "restore", || {
+            let mapped = match map_home(&self.ctx, bytes, &self.access) {
+                Err(Error::OutOfMemory { .. }) => {
+                    let free = driver::memory_info(&self.ctx)
+                        .map(|(free, _)| free)
+                        .unwrap_or(0);
+                    return Err(Error::RestoreOutOfMemory {
+                        dataset: id,
+                        asked: bytes,
+                        free,
+                    });
+                }
+                other => other?,
+            };
+            offload::load(copy, stream, mapped.ptr(), bytes)?;
+            let used = copy.storage();
+            home = Some(mapped);
+            Ok(used)
+        })?;
+        if let Some(home) = home {
+            self.residency = Residency::Device(home); // drops the host copy
+        }
+        if report.storage == StorageUsed::Discarded {
+            if let Some(mut refill) = self.refill.take() {
+                let refilled = (refill.0)(self, stream);
+                self.refill = Some(refill);
+                refilled?;
+            }
+        }
+        Ok(report)
+    }
+
+    /// Unbinds this dataset from every space it is bound in (each after its fence).
+    fn unbind_all(&self) -> Result<()> {
+        let spaces = self
+            .bound_in
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        for space in &spaces {
+            unbind_everywhere(space, self.id, self.group_index)?;
+        }
+        Ok(())
     }
 
     /// (offset, bytes) of each run of adjacent input slots, for copy-in binds.
@@ -159,8 +315,8 @@ impl Dataset {
         runs
     }
 
-    pub(crate) fn physical(&self) -> &Arc<Physical> {
-        self.home.physical()
+    pub(crate) fn physical(&self) -> Result<&Arc<Physical>> {
+        Ok(self.home()?.physical())
     }
 
     pub(crate) fn note_bound_in(&self, space: Weak<SpaceShared>) {
@@ -187,7 +343,7 @@ impl Dataset {
             .unwrap_or_else(|p| p.into_inner())
             .attach(stream);
         SlotView::new(
-            self.home.ptr() + slot.offset as u64,
+            self.home()?.ptr() + slot.offset as u64,
             &slot.name,
             slot.bytes,
             stream,
@@ -226,8 +382,18 @@ impl Drop for Dataset {
         let fence = self.fence.get_mut().unwrap_or_else(|p| p.into_inner());
         if let Err(error) = fence.wait() {
             tracing::error!(%error, dataset = self.id, "waiting for the GPU before freeing a dataset failed; leaking it");
-            self.home.leak_on_drop();
+            if let Residency::Device(home) = &mut self.residency {
+                home.leak_on_drop();
+            }
         }
-        // `home` drops next: unmap, then release (unless a space still maps it), then free.
+        // `residency` drops next: unmap, then release (unless a space still maps it), then
+        // free; or, if offloaded, the host copy goes back to its arena.
     }
+}
+
+/// Physical memory of `bytes` mapped at a fresh reservation of its own.
+fn map_home(ctx: &Arc<CudaContext>, bytes: usize, access: &[usize]) -> Result<Mapping> {
+    let physical = Arc::new(Physical::new(ctx, bytes, false)?);
+    let reservation = Arc::new(Reservation::new(ctx, bytes, vmm::granularity(ctx, false)?)?);
+    Mapping::new(&reservation, 0, &physical, 0, bytes, access)
 }

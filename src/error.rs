@@ -28,6 +28,26 @@ pub enum Error {
         status: cudarc::cublas::sys::cublasStatus_t,
     },
 
+    /// Host memory for an offload could not be allocated; the dataset stays on the device.
+    #[error("could not allocate {bytes} bytes of host memory")]
+    HostOutOfMemory { bytes: usize },
+
+    /// The dataset is offloaded: restore it before binding, viewing or copying it.
+    #[error("dataset {dataset} is offloaded to the host")]
+    Offloaded { dataset: u64 },
+
+    /// A restore found too little device memory; the host copy is kept and a later retry works.
+    #[error("restoring dataset {dataset} needs {asked} bytes of device memory, {free} are free")]
+    RestoreOutOfMemory {
+        dataset: u64,
+        asked: usize,
+        free: usize,
+    },
+
+    /// The space's scratch memory is released (the space is asleep): wake it first.
+    #[error("the space is asleep: its scratch memory is released")]
+    Asleep,
+
     /// No CUDA driver (libcuda) could be loaded on this machine.
     #[error("no CUDA driver found: libcuda could not be loaded")]
     NoDriver,

@@ -61,6 +61,7 @@
 //! `driver` (the only `unsafe`: VMM, graphs, launches) → [`layout`] (arithmetic) →
 //! [`Space`]/[`Dataset`] (binding) → [`StableGraph`] (capture, replay, update checks).
 
+mod arena;
 mod dataset;
 mod driver;
 mod error;
@@ -68,12 +69,14 @@ mod fence;
 mod graph;
 pub mod kernels;
 pub mod layout;
+mod offload;
 mod pipeline;
 mod space;
 mod strategy;
 mod view;
 
-pub use dataset::{Dataset, DatasetSlot};
+pub use arena::{chunk_plan, ArenaBook, HostArena, ARENA_ALIGN};
+pub use dataset::{Dataset, DatasetSlot, Refill};
 pub use driver::blas::{Blas, RECOMMENDED_WORKSPACE};
 pub use driver::{driver_present, memory_info, open_device};
 pub use error::{Error, Result};
@@ -81,6 +84,7 @@ pub use fence::FencePolicy;
 pub use graph::{NodeKind, StableGraph, UpdateOutcome, UpdateReport, Work};
 pub use kernels::{DeviceBuffer, Kernels, MatmulKernel};
 pub use layout::{Layout, LayoutBuilder, Role};
+pub use offload::{offload_tagged, restore_tagged, HostStorage, StorageUsed, TransferReport};
 pub use pipeline::{Lane, Pipeline};
 pub use space::{Slot, Space, SpaceOptions};
 pub use strategy::{BindStrategy, CostModel};

@@ -17,7 +17,8 @@ use crate::driver::{self, kernels::DeviceBuffer};
 use crate::error::{Error, Result};
 use crate::fence::{Fence, FencePolicy};
 use crate::graph::StableGraph;
-use crate::layout::{Layout, Placement, Role};
+use crate::layout::{Layout, Placement, Region, Role};
+use crate::offload::{HostStorage, TransferReport};
 use crate::strategy::{BindStrategy, CostModel};
 use crate::view::{self, SlotView};
 
@@ -165,9 +166,13 @@ pub(crate) struct SpaceState {
     pub(crate) fence: Fence,
     /// Stream for copy-in binds issued without a stream.
     copy_stream: Option<Arc<CudaStream>>,
+    /// The scratch region's memory; `None` while the space sleeps (or when it has no scratch).
+    scratch: Option<Mapping>,
+    /// While asleep: the dataset each group had bound when the space went to sleep.
+    sleeping: Option<Vec<Option<u64>>>,
 }
 
-// Field order is drop order: bindings (in `state`) and the scratch mapping are unmapped before
+// Field order is drop order: bindings and the scratch mapping (in `state`) are unmapped before
 // the reservation they live in is freed (the mappings also hold the reservation alive).
 #[derive(Debug)]
 pub(crate) struct SpaceShared {
@@ -179,7 +184,6 @@ pub(crate) struct SpaceShared {
     access: Vec<usize>,
     strategies: Vec<BindStrategy>,
     state: Mutex<SpaceState>,
-    scratch: Option<Mapping>,
     reservation: Arc<Reservation>,
 }
 
@@ -199,17 +203,7 @@ impl Space {
         let reservation = Arc::new(Reservation::new(ctx, placement.total_bytes, granularity)?);
         let access = vec![ctx.ordinal()];
         let scratch = match &placement.scratch {
-            Some(region) => {
-                let physical = Arc::new(Physical::new(ctx, region.bytes, false)?);
-                Some(Mapping::new(
-                    &reservation,
-                    region.offset,
-                    &physical,
-                    0,
-                    region.bytes,
-                    &access,
-                )?)
-            }
+            Some(region) => Some(map_scratch(ctx, &reservation, region, &access)?),
             None => None,
         };
         let slots = placement
@@ -264,6 +258,8 @@ impl Space {
             bound: BitVec::repeat(false, groups),
             fence: Fence::new(ctx, options.fence),
             copy_stream: None,
+            scratch,
+            sleeping: None,
         };
         let id = next_id();
         tracing::debug!(
@@ -283,7 +279,6 @@ impl Space {
                 access,
                 strategies,
                 state: Mutex::new(state),
-                scratch,
                 reservation,
             }),
         })
@@ -427,6 +422,77 @@ impl Space {
         view::read(&self.view::<T>(name, stream)?)
     }
 
+    /// Puts the space to sleep: every dataset among `datasets` that is bound here is offloaded to
+    /// `storage` (unbinding it after the GPU is done with it), and the scratch memory is released
+    /// (its contents are not kept). Replays fail with [`Error::Asleep`] until [`Space::wake`].
+    /// Datasets bound here but not passed stay bound.
+    pub fn sleep(
+        &self,
+        datasets: &mut [&mut Dataset],
+        storage: &HostStorage,
+        stream: &Arc<CudaStream>,
+    ) -> Result<Vec<TransferReport>> {
+        let bound: Vec<Option<u64>> = self
+            .shared
+            .lock()
+            .backings
+            .iter()
+            .map(Backing::dataset)
+            .collect();
+        let mut reports = Vec::new();
+        for dataset in datasets
+            .iter_mut()
+            .filter(|d| bound.contains(&Some(d.id())))
+        {
+            reports.push(dataset.offload(storage, stream)?);
+        }
+        let mut state = self.shared.lock();
+        state.fence.wait()?;
+        state.scratch = None; // unmaps and releases
+        state.sleeping = Some(bound);
+        Ok(reports)
+    }
+
+    /// Wakes a sleeping space: new scratch memory (uninitialised) at the same addresses, and
+    /// every dataset among `datasets` that was bound at sleep restored and bound again, so
+    /// graphs captured before the sleep replay on the same contents. No-op when awake.
+    pub fn wake(
+        &self,
+        datasets: &mut [&mut Dataset],
+        stream: &Arc<CudaStream>,
+    ) -> Result<Vec<TransferReport>> {
+        let sleeping = {
+            let mut state = self.shared.lock();
+            let Some(sleeping) = state.sleeping.clone() else {
+                return Ok(Vec::new());
+            };
+            if let (None, Some(region)) = (&state.scratch, &self.shared.placement.scratch) {
+                state.scratch = Some(map_scratch(
+                    &self.shared.ctx,
+                    &self.shared.reservation,
+                    region,
+                    &self.shared.access,
+                )?);
+            }
+            sleeping
+        };
+        let mut reports = Vec::new();
+        for dataset in datasets
+            .iter_mut()
+            .filter(|d| sleeping.contains(&Some(d.id())))
+        {
+            reports.push(dataset.restore(stream)?);
+            self.bind(dataset)?;
+        }
+        self.shared.lock().sleeping = None;
+        Ok(reports)
+    }
+
+    /// Whether the space is asleep (scratch released).
+    pub fn is_asleep(&self) -> bool {
+        self.shared.lock().sleeping.is_some()
+    }
+
     /// Captures `work` on `stream` as a graph over this space. See [`StableGraph::capture`].
     pub fn capture<F>(&self, stream: &Arc<CudaStream>, work: F) -> Result<StableGraph>
     where
@@ -464,12 +530,21 @@ impl SpaceShared {
                     })
                 }
             }
-            None => Ok(()),
+            None => self.require_scratch(state),
         }
     }
 
-    /// `Err(Unbound)` naming the first group with nothing bound.
+    fn require_scratch(&self, state: &SpaceState) -> Result<()> {
+        if self.placement.scratch.is_some() && state.scratch.is_none() {
+            return Err(Error::Asleep);
+        }
+        Ok(())
+    }
+
+    /// `Err(Asleep)` without scratch memory, else `Err(Unbound)` naming the first group with
+    /// nothing bound.
     pub(crate) fn require_all_bound(&self, state: &SpaceState) -> Result<()> {
+        self.require_scratch(state)?;
         match state.bound.first_zero() {
             None => Ok(()),
             Some(index) => Err(Error::Unbound {
@@ -504,6 +579,8 @@ impl SpaceShared {
 
     fn bind(&self, dataset: &Dataset, stream: Option<&Arc<CudaStream>>) -> Result<()> {
         let index = self.check_compatible(dataset)?;
+        // An offloaded dataset is refused here, before anything changes.
+        let (physical, home_ptr) = (dataset.physical()?.clone(), dataset.home_ptr()?);
         let region = &self.placement.groups[index];
         let mut state = self.lock();
         if state.backings[index].dataset() == Some(dataset.id()) {
@@ -532,7 +609,7 @@ impl SpaceShared {
                         &self.access,
                     )
                 };
-                match map(dataset.physical()) {
+                match map(&physical) {
                     Ok(mapping) => {
                         *slot = Some(Binding {
                             dataset_id: dataset.id(),
@@ -582,7 +659,7 @@ impl SpaceShared {
                 *current = None;
                 state.bound.set(index, false);
                 for (offset, bytes) in dataset.input_runs() {
-                    let source = dataset.home_ptr() + offset as u64;
+                    let source = home_ptr + offset as u64;
                     let target = resident.ptr() + offset as u64;
                     driver::copy_device(&copy_stream, source, target, bytes)?;
                 }
@@ -605,6 +682,7 @@ impl SpaceShared {
         let index = self.check_compatible(dataset)?;
         let mut state = self.lock();
         let state = &mut *state;
+        let home_ptr = dataset.home_ptr()?;
         if let Backing::CopyIn { resident, current } = &state.backings[index] {
             if *current != Some(dataset.id()) {
                 return Err(Error::Unbound {
@@ -616,7 +694,7 @@ impl SpaceShared {
                 driver::copy_device(
                     stream,
                     resident.ptr() + offset as u64,
-                    dataset.home_ptr() + offset as u64,
+                    home_ptr + offset as u64,
                     bytes,
                 )?;
             }
@@ -659,11 +737,12 @@ impl Drop for SpaceShared {
             // Without proof that the GPU is done, nothing is unmapped: leak instead.
             tracing::error!(%error, space = self.id, "waiting for the GPU before freeing a space failed; leaking it");
             state.backings.iter_mut().for_each(Backing::leak_on_drop);
-            if let Some(scratch) = &mut self.scratch {
+            if let Some(scratch) = &mut state.scratch {
                 scratch.leak_on_drop();
             }
         }
-        state.backings.clear(); // unmaps, before `scratch` and `reservation` drop
+        state.backings.clear(); // unmaps, before the reservation goes
+        state.scratch = None;
     }
 }
 
@@ -677,4 +756,21 @@ pub(crate) fn unbind_everywhere(
         Some(shared) => shared.unbind_group(group, Some(dataset_id)),
         None => Ok(()),
     }
+}
+
+fn map_scratch(
+    ctx: &Arc<CudaContext>,
+    reservation: &Arc<Reservation>,
+    region: &Region,
+    access: &[usize],
+) -> Result<Mapping> {
+    let physical = Arc::new(Physical::new(ctx, region.bytes, false)?);
+    Mapping::new(
+        reservation,
+        region.offset,
+        &physical,
+        0,
+        region.bytes,
+        access,
+    )
 }

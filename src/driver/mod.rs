@@ -8,6 +8,7 @@
 
 pub mod blas;
 pub(crate) mod graph;
+pub(crate) mod host;
 pub(crate) mod interop;
 pub mod kernels;
 pub mod vmm;

@@ -1,0 +1,155 @@
+//! Sleep and wake under a live graph: the inference loop's MLP (3 × 4096, batch 256, FP32,
+//! cuBLAS) is captured once and run; then the space sleeps (weights and batch offloaded to a
+//! pinned arena, scratch released) and device free memory is printed before and after. A replay
+//! while asleep gives a typed error (and the context survives). After wake, the same exec replays
+//! and its output must equal the pre-sleep output bit for bit. Exits non-zero on any mismatch.
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+#[path = "mlp/mod.rs"]
+mod mlp;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use common::{assert_matches, random_vec, rng};
+use mlp::{cpu_forward, layout, space_work, HostWeights, Shape};
+use stablebuf::{
+    memory_info, open_device, HostArena, HostStorage, Kernels, Result, Space, TransferReport,
+};
+
+fn main() -> Result<()> {
+    let shape = Shape {
+        layers: 3,
+        hidden: 4096,
+        batch: 256,
+        ptx: false,
+    };
+    let (h, b) = (shape.hidden, shape.batch);
+    let ctx = open_device(0)?;
+    let stream = ctx.new_stream()?;
+    let kernels = Arc::new(Kernels::load(&ctx)?);
+    let space = Space::new(&ctx, layout(shape)?)?;
+    let mut rng = rng("sleep_wake");
+
+    let mut weights = space.new_dataset("weights")?;
+    let scale = 1.7 / (h as f32).sqrt();
+    let host: HostWeights = (0..shape.layers)
+        .map(|_| {
+            (
+                random_vec(&mut rng, h * h)
+                    .iter()
+                    .map(|v| v * scale)
+                    .collect(),
+                random_vec(&mut rng, h).iter().map(|v| v * 0.1).collect(),
+            )
+        })
+        .collect();
+    for (l, (w, bias)) in host.iter().enumerate() {
+        weights.write(&stream, &format!("w{l}"), w)?;
+        weights.write(&stream, &format!("b{l}"), bias)?;
+    }
+    let x = random_vec(&mut rng, b * h);
+    let mut batch = space.new_dataset("batch")?;
+    batch.write(&stream, "x", &x)?;
+    space.bind(&weights)?;
+    space.bind(&batch)?;
+
+    let mut work = space_work(&space, &stream, &kernels, shape)?;
+    work(&stream)?; // cuBLAS warm-up outside the capture
+    stream.synchronize()?;
+    let graph = space.capture(&stream, work)?;
+    for _ in 0..10 {
+        graph.replay()?;
+    }
+    let out = format!("h{}", shape.layers - 1);
+    let before: Vec<f32> = space.read(&stream, &out)?;
+    let rows = [0, b / 2, b - 1];
+    let sampled = |v: &[f32]| {
+        rows.iter()
+            .flat_map(|&r| v[r * h..(r + 1) * h].to_vec())
+            .collect::<Vec<_>>()
+    };
+    assert_matches(
+        &sampled(&before),
+        &cpu_forward(&x, &host, &rows, shape),
+        h,
+        "before sleep",
+    );
+    println!(
+        "MLP {}x{h}, batch {b}: captured once, ran 10 steps, output checked against the CPU",
+        shape.layers
+    );
+
+    let start = Instant::now();
+    let arena = HostArena::new(&ctx, weights.bytes() + batch.bytes())?;
+    println!(
+        "pinned a {} MiB host arena once in {:.0} ms (reused by every sleep)",
+        arena.capacity() >> 20,
+        start.elapsed().as_secs_f64() * 1e3
+    );
+
+    let (free_awake, _) = memory_info(&ctx)?;
+    let start = Instant::now();
+    let offloads = space.sleep(
+        &mut [&mut weights, &mut batch],
+        &HostStorage::Pinned(arena.clone()),
+        &stream,
+    )?;
+    let sleep_time = start.elapsed();
+    let (free_asleep, _) = memory_info(&ctx)?;
+    println!(
+        "sleep: device free memory {} MiB -> {} MiB (+{} MiB) in {:.1} ms",
+        free_awake >> 20,
+        free_asleep >> 20,
+        (free_asleep - free_awake) >> 20,
+        sleep_time.as_secs_f64() * 1e3
+    );
+    match graph.replay() {
+        Err(error) => {
+            println!("replay while asleep: refused with a typed error: {error} ({error:?})")
+        }
+        Ok(()) => {
+            eprintln!("a replay while asleep was launched");
+            std::process::exit(1);
+        }
+    }
+
+    let start = Instant::now();
+    let restores = space.wake(&mut [&mut weights, &mut batch], &stream)?;
+    let wake_time = start.elapsed();
+    println!("wake: {:.1} ms", wake_time.as_secs_f64() * 1e3);
+    graph.replay()?;
+    let after: Vec<f32> = space.read(&stream, &out)?;
+    let identical = before
+        .iter()
+        .zip(&after)
+        .all(|(x, y)| x.to_bits() == y.to_bits());
+    println!(
+        "same exec after wake: output equal to the pre-sleep output bit for bit: {}",
+        if identical { "YES" } else { "NO" }
+    );
+
+    println!(
+        "\n{:<10} {:>10} {:>10} {:>12} {:>10}  storage",
+        "dataset", "MiB", "offload ms", "offload GB/s", "restore GB/s"
+    );
+    for (name, (o, r)) in ["weights", "batch"]
+        .iter()
+        .zip(offloads.iter().zip(&restores))
+    {
+        let ms = |t: &TransferReport| t.elapsed.as_secs_f64() * 1e3;
+        println!(
+            "{name:<10} {:>10} {:>10.2} {:>12.1} {:>10.1}  {:?}",
+            o.bytes >> 20,
+            ms(o),
+            o.gb_per_s(),
+            r.gb_per_s(),
+            o.storage
+        );
+    }
+    if !identical {
+        std::process::exit(1);
+    }
+    Ok(())
+}
