@@ -73,7 +73,9 @@ fn main() {
                 let mut view = dataset.view::<u8>("d", &gpu.stream).unwrap();
                 for _ in 0..iters {
                     let t = Instant::now();
-                    gpu.stream.memcpy_dtoh(&view, &mut floor_host).unwrap();
+                    // Exact-size slices: cudarc copies the host side's whole length.
+                    let target = &mut floor_host.as_mut_slice().unwrap()[..size];
+                    gpu.stream.memcpy_dtoh(&view, target).unwrap();
                     gpu.stream.synchronize().unwrap();
                     let d2h = t.elapsed();
                     let t = Instant::now();
