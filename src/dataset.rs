@@ -191,8 +191,8 @@ impl Dataset {
     /// bind, graphs captured over its slots replay on the same contents.
     ///
     /// A bound dataset is unbound first, from every space, after the GPU is done with it. If host
-    /// memory cannot be had, the dataset stays on the device with its contents (unbound, if it
-    /// was bound: bind it again). Offloading an offloaded dataset is a no-op.
+    /// memory cannot be had (or the copy fails), the dataset stays on the device with its
+    /// contents and is bound again where it was. Offloading an offloaded dataset is a no-op.
     pub fn offload(
         &mut self,
         storage: &HostStorage,
@@ -211,12 +211,25 @@ impl Dataset {
         let mut copy = None;
         let report = offload::timed(id, bytes, "offload", || {
             // Nothing may still write the memory while it is copied out.
-            self.unbind_all()?;
-            self.fence
+            let unbound_from = self.unbind_all()?;
+            let saved = self
+                .fence
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
-                .wait()?;
-            let saved = offload::save(storage, stream, home_ptr, bytes)?;
+                .wait()
+                .and_then(|()| offload::save(storage, stream, home_ptr, bytes));
+            let saved = match saved {
+                Ok(saved) => saved,
+                Err(error) => {
+                    // Still on the device with its contents: put it back where it was bound.
+                    for space in &unbound_from {
+                        if let Err(rebind) = space.rebind(self) {
+                            tracing::error!(%rebind, dataset = id, "could not rebind after a failed offload");
+                        }
+                    }
+                    return Err(error);
+                }
+            };
             let used = saved.storage();
             copy = Some(saved);
             Ok(used)
@@ -276,17 +289,19 @@ impl Dataset {
         Ok(report)
     }
 
-    /// Unbinds this dataset from every space it is bound in (each after its fence).
-    fn unbind_all(&self) -> Result<()> {
+    /// Unbinds this dataset from every space it is bound in (each after its fence); returns
+    /// those spaces.
+    fn unbind_all(&self) -> Result<Vec<Arc<SpaceShared>>> {
         let spaces = self
             .bound_in
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone();
+        let mut unbound = Vec::new();
         for space in &spaces {
-            unbind_everywhere(space, self.id, self.group_index)?;
+            unbound.extend(unbind_everywhere(space, self.id, self.group_index)?);
         }
-        Ok(())
+        Ok(unbound)
     }
 
     /// (offset, bytes) of each run of adjacent input slots, for copy-in binds.

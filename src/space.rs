@@ -374,7 +374,7 @@ impl Space {
     /// [`Error::Unbound`] until a dataset is bound again.
     pub fn unbind(&self, group: &str) -> Result<()> {
         let index = self.shared.placement.group_index(group)?;
-        self.shared.unbind_group(index, None)
+        self.shared.unbind_group(index, None).map(drop)
     }
 
     /// The id of the dataset bound under `group`, if any.
@@ -703,15 +703,16 @@ impl SpaceShared {
         Ok(())
     }
 
-    /// Takes group `index`'s data away, if bound (to `only_dataset`, when given).
-    pub(crate) fn unbind_group(&self, index: usize, only_dataset: Option<u64>) -> Result<()> {
+    /// Takes group `index`'s data away, if bound (to `only_dataset`, when given). Returns
+    /// whether something was unbound.
+    pub(crate) fn unbind_group(&self, index: usize, only_dataset: Option<u64>) -> Result<bool> {
         let mut state = self.lock();
         let state = &mut *state;
         let Some(bound) = state.backings[index].dataset() else {
-            return Ok(());
+            return Ok(false);
         };
         if only_dataset.is_some_and(|id| id != bound) {
-            return Ok(());
+            return Ok(false);
         }
         match &mut state.backings[index] {
             Backing::Remap(slot) => {
@@ -723,7 +724,12 @@ impl SpaceShared {
         }
         state.bound.set(index, false);
         tracing::debug!(space = self.id, group = %self.placement.groups[index].name, "unbound");
-        Ok(())
+        Ok(true)
+    }
+
+    /// Binds `dataset` again (used to undo an unbind when an offload fails).
+    pub(crate) fn rebind(&self, dataset: &Dataset) -> Result<()> {
+        self.bind(dataset, None)
     }
 }
 
@@ -751,10 +757,12 @@ pub(crate) fn unbind_everywhere(
     space: &Weak<SpaceShared>,
     dataset_id: u64,
     group: usize,
-) -> Result<()> {
+) -> Result<Option<Arc<SpaceShared>>> {
     match space.upgrade() {
-        Some(shared) => shared.unbind_group(group, Some(dataset_id)),
-        None => Ok(()),
+        Some(shared) => Ok(shared
+            .unbind_group(group, Some(dataset_id))?
+            .then_some(shared)),
+        None => Ok(None),
     }
 }
 
