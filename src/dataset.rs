@@ -51,6 +51,7 @@ pub struct Dataset {
     bound_in: Mutex<Vec<Weak<SpaceShared>>>,
     access: Vec<usize>,
     bytes: usize,
+    shareable: bool,
     tag: Option<String>,
     refill: Option<RefillFn>,
     /// Where the bytes are: mapped at the dataset's own address (owning the physical memory),
@@ -83,9 +84,25 @@ impl Dataset {
         placement: &Placement,
         group_index: usize,
         access: &[usize],
+        shareable: bool,
+    ) -> Result<Self> {
+        let physical = Physical::new(ctx, placement.groups[group_index].bytes, shareable)?;
+        Self::from_physical(ctx, layout, placement, group_index, access, physical)
+    }
+
+    /// A dataset over existing physical memory of the group's size (fresh, or imported from
+    /// another process).
+    pub(crate) fn from_physical(
+        ctx: &Arc<CudaContext>,
+        layout: &Layout,
+        placement: &Placement,
+        group_index: usize,
+        access: &[usize],
+        physical: Physical,
     ) -> Result<Self> {
         let region = &placement.groups[group_index];
-        let home = map_home(ctx, region.bytes, access)?;
+        let shareable = physical.shareable();
+        let home = map_home(ctx, Arc::new(physical), access)?;
         let slots = region
             .slots
             .iter()
@@ -113,6 +130,7 @@ impl Dataset {
             bound_in: Mutex::new(Vec::new()),
             access: access.to_vec(),
             bytes: region.bytes,
+            shareable,
             tag: None,
             refill: None,
             residency: Residency::Device(home),
@@ -258,7 +276,9 @@ impl Dataset {
         };
         let mut home = None;
         let report = offload::timed(id, bytes, "restore", || {
-            let mapped = match map_home(&self.ctx, bytes, &self.access) {
+            let mapped = match Physical::new(&self.ctx, bytes, self.shareable)
+                .and_then(|physical| map_home(&self.ctx, Arc::new(physical), &self.access))
+            {
                 Err(Error::OutOfMemory { .. }) => {
                     let free = driver::memory_info(&self.ctx)
                         .map(|(free, _)| free)
@@ -406,9 +426,9 @@ impl Drop for Dataset {
     }
 }
 
-/// Physical memory of `bytes` mapped at a fresh reservation of its own.
-fn map_home(ctx: &Arc<CudaContext>, bytes: usize, access: &[usize]) -> Result<Mapping> {
-    let physical = Arc::new(Physical::new(ctx, bytes, false)?);
+/// `physical` mapped at a fresh reservation of its own.
+fn map_home(ctx: &Arc<CudaContext>, physical: Arc<Physical>, access: &[usize]) -> Result<Mapping> {
+    let bytes = physical.bytes();
     let reservation = Arc::new(Reservation::new(ctx, bytes, vmm::granularity(ctx, false)?)?);
     Mapping::new(&reservation, 0, &physical, 0, bytes, access)
 }

@@ -48,6 +48,29 @@ pub enum Error {
     #[error("the space is asleep: its scratch memory is released")]
     Asleep,
 
+    /// A socket call failed.
+    #[error("{call}: {source}")]
+    Io {
+        call: &'static str,
+        source: std::io::Error,
+    },
+
+    /// A message from a peer process was malformed or unexpected.
+    #[error("protocol: {0}")]
+    Protocol(#[from] crate::share::ProtocolError),
+
+    /// The peer refused what was sent, saying why.
+    #[error("the peer rejected the dataset: {reason}")]
+    Rejected { reason: String },
+
+    /// Export asked of memory not created shareable (`SpaceOptions::shareable`).
+    #[error("the dataset was not created shareable")]
+    NotShareable,
+
+    /// A dataset offered by another process lives on another GPU.
+    #[error("the dataset is on another device (uuid {found:02x?}, this one {expected:02x?})")]
+    DeviceMismatch { expected: [u8; 16], found: [u8; 16] },
+
     /// No CUDA driver (libcuda) could be loaded on this machine.
     #[error("no CUDA driver found: libcuda could not be loaded")]
     NoDriver,

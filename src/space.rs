@@ -85,6 +85,9 @@ pub struct SpaceOptions {
     pub bind: BindStrategy,
     /// Per-group strategies.
     pub group_bind: HashMap<String, BindStrategy>,
+    /// Create datasets exportable to other processes as POSIX file descriptors
+    /// ([`send_dataset`](crate::send_dataset)).
+    pub shareable: bool,
     /// The model `BindStrategy::Auto` decides with; `None` calibrates on the device (once per
     /// process and device).
     pub cost_model: Option<CostModel>,
@@ -105,6 +108,11 @@ impl SpaceOptions {
     /// The strategy of group `group`.
     pub fn group_bind(mut self, group: impl Into<String>, strategy: BindStrategy) -> Self {
         self.group_bind.insert(group.into(), strategy);
+        self
+    }
+
+    pub fn shareable(mut self, shareable: bool) -> Self {
+        self.shareable = shareable;
         self
     }
 
@@ -183,6 +191,7 @@ pub(crate) struct SpaceShared {
     slots: Vec<Slot>,
     access: Vec<usize>,
     strategies: Vec<BindStrategy>,
+    shareable: bool,
     state: Mutex<SpaceState>,
     reservation: Arc<Reservation>,
 }
@@ -278,6 +287,7 @@ impl Space {
                 slots,
                 access,
                 strategies,
+                shareable: options.shareable,
                 state: Mutex::new(state),
                 reservation,
             }),
@@ -327,6 +337,7 @@ impl Space {
             &self.shared.placement,
             index,
             &self.shared.access,
+            self.shared.shareable,
         )
     }
 

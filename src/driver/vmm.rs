@@ -135,9 +135,31 @@ impl Physical {
         self.bytes
     }
 
-    #[allow(dead_code)] // read by the sharing layer
+    /// Whether it was created exportable as a POSIX file descriptor.
     pub(crate) fn shareable(&self) -> bool {
         self.shareable
+    }
+
+    pub(crate) fn handle(&self) -> sys::CUmemGenericAllocationHandle {
+        self.handle
+    }
+
+    pub(crate) fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Takes ownership of a handle from `cuMemImportFromShareableHandle`.
+    pub(crate) fn from_imported(
+        ctx: &Arc<CudaContext>,
+        handle: sys::CUmemGenericAllocationHandle,
+        bytes: usize,
+    ) -> Self {
+        Self {
+            ctx: ctx.clone(),
+            handle,
+            bytes,
+            shareable: true,
+        }
     }
 }
 

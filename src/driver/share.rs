@@ -1,0 +1,114 @@
+//! Sharing physical memory between processes: POSIX file descriptors exported from and imported
+//! into CUDA, and passed over Unix sockets with SCM_RIGHTS.
+
+use std::io::{IoSlice, IoSliceMut};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+
+use cudarc::driver::{sys, CudaContext};
+use nix::sys::socket::{recvmsg, sendmsg, ControlMessage, ControlMessageOwned, MsgFlags};
+
+use super::vmm::Physical;
+use super::{bind_context, traced_raw};
+use crate::error::{Error, Result};
+
+const POSIX_FD: sys::CUmemAllocationHandleType =
+    sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+
+impl Physical {
+    /// A new file descriptor referring to this memory (`cuMemExportToShareableHandle`). The memory
+    /// must have been created shareable. The descriptor is owned: it is closed exactly once, on drop.
+    pub(crate) fn export(&self) -> Result<OwnedFd> {
+        if !self.shareable() {
+            return Err(Error::NotShareable);
+        }
+        bind_context(self.context())?;
+        let mut fd: i32 = -1;
+        let handle = self.handle();
+        traced_raw("cuMemExportToShareableHandle", self.bytes(), || {
+            // SAFETY: for POSIX fds the driver writes an `int` through the pointer.
+            unsafe {
+                sys::cuMemExportToShareableHandle((&mut fd as *mut i32).cast(), handle, POSIX_FD, 0)
+            }
+        })?;
+        // SAFETY: the driver just created this descriptor for us and nothing else owns it.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+
+    /// Memory of `bytes` imported from a descriptor another process exported
+    /// (`cuMemImportFromShareableHandle`). The descriptor stays the caller's (close it when done:
+    /// the imported handle keeps the memory alive by itself).
+    pub(crate) fn import(ctx: &Arc<CudaContext>, fd: &OwnedFd, bytes: usize) -> Result<Self> {
+        bind_context(ctx)?;
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        let raw = fd.as_raw_fd();
+        traced_raw("cuMemImportFromShareableHandle", bytes, || {
+            // SAFETY: for POSIX fds the driver takes the descriptor's value cast to a pointer and
+            // does not take ownership of it; `handle` is a valid out-pointer.
+            unsafe {
+                sys::cuMemImportFromShareableHandle(&mut handle, raw as usize as *mut _, POSIX_FD)
+            }
+        })?;
+        Ok(Physical::from_imported(ctx, handle, bytes))
+    }
+}
+
+fn io_error(call: &'static str, errno: nix::errno::Errno) -> Error {
+    Error::Io {
+        call,
+        source: std::io::Error::from_raw_os_error(errno as i32),
+    }
+}
+
+/// Sends `bytes` and, if given, one descriptor in the same `sendmsg`.
+pub(crate) fn send_with_fd(socket: &UnixStream, bytes: &[u8], fd: Option<&OwnedFd>) -> Result<()> {
+    let raw: Vec<RawFd> = fd.iter().map(|f| f.as_raw_fd()).collect();
+    let control = [ControlMessage::ScmRights(&raw)];
+    let cmsgs: &[ControlMessage] = if raw.is_empty() { &[] } else { &control };
+    let mut sent = 0;
+    while sent < bytes.len() {
+        let iov = [IoSlice::new(&bytes[sent..])];
+        // The descriptor goes with the first chunk only.
+        let cm = if sent == 0 { cmsgs } else { &[] };
+        sent += sendmsg::<()>(socket.as_raw_fd(), &iov, cm, MsgFlags::MSG_NOSIGNAL, None)
+            .map_err(|e| io_error("sendmsg", e))?;
+    }
+    Ok(())
+}
+
+/// Receives up to `buffer.len()` bytes and any descriptors sent with them (taking ownership, so
+/// each is closed exactly once). Returns the byte count (0 = the peer closed the socket).
+pub(crate) fn receive_with_fds(
+    socket: &UnixStream,
+    buffer: &mut [u8],
+) -> Result<(usize, Vec<OwnedFd>)> {
+    let mut space = nix::cmsg_space!([RawFd; 4]);
+    let mut iov = [IoSliceMut::new(buffer)];
+    let message = recvmsg::<()>(
+        socket.as_raw_fd(),
+        &mut iov,
+        Some(&mut space),
+        MsgFlags::MSG_CMSG_CLOEXEC,
+    )
+    .map_err(|e| io_error("recvmsg", e))?;
+    let mut fds = Vec::new();
+    for cmsg in message.cmsgs().map_err(|e| io_error("recvmsg", e))? {
+        if let ControlMessageOwned::ScmRights(received) = cmsg {
+            // SAFETY: SCM_RIGHTS gave this process new descriptors that nothing else owns.
+            fds.extend(
+                received
+                    .into_iter()
+                    .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
+            );
+        }
+    }
+    if message.flags.contains(MsgFlags::MSG_CTRUNC) {
+        return Err(Error::Protocol(
+            crate::share::ProtocolError::UnexpectedFds {
+                count: fds.len() + 1,
+            },
+        ));
+    }
+    Ok((message.bytes, fds))
+}

@@ -1,0 +1,452 @@
+//! Sharing datasets between processes over a Unix socket.
+//!
+//! The producer exports a shareable dataset's physical memory as a POSIX file descriptor and
+//! sends it with SCM_RIGHTS, together with an [`Offer`] describing it. The consumer checks the
+//! offer against its own space (layout fingerprint, group, size, device), imports the memory, and
+//! gets a [`Dataset`] it binds under its own stable slot addresses: a graph captured over its
+//! slots replays on the producer's data with no copy. The memory lives as long as any process
+//! holds it, so the consumer's copy stays valid after the producer exits.
+//!
+//! ```text
+//!  producer                                  consumer
+//!  send_dataset ── Offer + fd (SCM_RIGHTS) ─▶ receive_dataset: check, import, (Reject on mismatch)
+//!  wait_ack    ◀── Ack { dataset } ────────── send_ack
+//! ```
+//!
+//! Wire format: a 4-byte little-endian length, then the message: magic `SBUF`, version `u16`,
+//! kind `u8`, then the kind's fields (integers little-endian, strings as `u16` length + UTF-8).
+
+use std::os::fd::OwnedFd;
+use std::os::unix::net::UnixStream;
+
+use crate::dataset::Dataset;
+use crate::driver::share::{receive_with_fds, send_with_fd};
+use crate::driver::vmm::Physical;
+use crate::error::{Error, Result};
+use crate::space::Space;
+
+const MAGIC: &[u8; 4] = b"SBUF";
+/// The protocol version this build speaks.
+pub const PROTOCOL_VERSION: u16 = 1;
+/// Messages larger than this are refused before anything is allocated for them.
+const MAX_MESSAGE: usize = 64 << 10;
+
+/// What is wrong with a message.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ProtocolError {
+    #[error("message truncated: needed {needed} bytes, got {got}")]
+    Truncated { needed: usize, got: usize },
+    #[error("not a stablebuf message (bad magic)")]
+    BadMagic,
+    #[error("protocol version {got}, this build speaks {supported}")]
+    Version { got: u16, supported: u16 },
+    #[error("unknown message kind {0}")]
+    UnknownKind(u8),
+    #[error("a string field is not UTF-8")]
+    BadUtf8,
+    #[error("message of {0} bytes is over the limit")]
+    TooLarge(usize),
+    #[error("an offer arrived without its file descriptor")]
+    MissingFd,
+    #[error("{count} file descriptors arrived where at most one was expected")]
+    UnexpectedFds { count: usize },
+    #[error("the peer closed the connection")]
+    Closed,
+    #[error("expected {expected}, got another message")]
+    Unexpected { expected: &'static str },
+}
+
+/// Describes a dataset sent to another process.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Offer {
+    pub layout_fingerprint: u64,
+    pub group: String,
+    /// Bytes of physical memory behind the descriptor.
+    pub bytes: u64,
+    pub granularity: u64,
+    /// `cuDeviceGetUuid` of the producer's device.
+    pub device_uuid: [u8; 16],
+    /// The producer's dataset id (echoed in the Ack).
+    pub dataset: u64,
+}
+
+/// One message of the protocol.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Message {
+    Offer(Offer),
+    Ack { dataset: u64 },
+    Reject { reason: String },
+}
+
+struct Reader<'a> {
+    bytes: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], ProtocolError> {
+        let end = self.at + n;
+        if end > self.bytes.len() {
+            return Err(ProtocolError::Truncated {
+                needed: end,
+                got: self.bytes.len(),
+            });
+        }
+        let out = &self.bytes[self.at..end];
+        self.at = end;
+        Ok(out)
+    }
+    fn u8(&mut self) -> Result<u8, ProtocolError> {
+        Ok(self.take(1)?[0])
+    }
+    fn u16(&mut self) -> Result<u16, ProtocolError> {
+        Ok(u16::from_le_bytes(
+            self.take(2)?.try_into().expect("2 bytes"),
+        ))
+    }
+    fn u64(&mut self) -> Result<u64, ProtocolError> {
+        Ok(u64::from_le_bytes(
+            self.take(8)?.try_into().expect("8 bytes"),
+        ))
+    }
+    fn string(&mut self) -> Result<String, ProtocolError> {
+        let len = usize::from(self.u16()?);
+        String::from_utf8(self.take(len)?.to_vec()).map_err(|_| ProtocolError::BadUtf8)
+    }
+}
+
+fn put_string(out: &mut Vec<u8>, s: &str) {
+    let bytes = &s.as_bytes()[..s.len().min(u16::MAX as usize)];
+    out.extend_from_slice(&(bytes.len() as u16).to_le_bytes());
+    out.extend_from_slice(bytes);
+}
+
+impl Message {
+    /// The message body (without the length prefix).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = MAGIC.to_vec();
+        out.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+        match self {
+            Message::Offer(o) => {
+                out.push(1);
+                out.extend_from_slice(&o.layout_fingerprint.to_le_bytes());
+                put_string(&mut out, &o.group);
+                out.extend_from_slice(&o.bytes.to_le_bytes());
+                out.extend_from_slice(&o.granularity.to_le_bytes());
+                out.extend_from_slice(&o.device_uuid);
+                out.extend_from_slice(&o.dataset.to_le_bytes());
+            }
+            Message::Ack { dataset } => {
+                out.push(2);
+                out.extend_from_slice(&dataset.to_le_bytes());
+            }
+            Message::Reject { reason } => {
+                out.push(3);
+                put_string(&mut out, reason);
+            }
+        }
+        out
+    }
+
+    /// Parses a message body.
+    pub fn decode(bytes: &[u8]) -> Result<Message, ProtocolError> {
+        let mut r = Reader { bytes, at: 0 };
+        if r.take(4)? != MAGIC {
+            return Err(ProtocolError::BadMagic);
+        }
+        let version = r.u16()?;
+        if version != PROTOCOL_VERSION {
+            return Err(ProtocolError::Version {
+                got: version,
+                supported: PROTOCOL_VERSION,
+            });
+        }
+        Ok(match r.u8()? {
+            1 => Message::Offer(Offer {
+                layout_fingerprint: r.u64()?,
+                group: r.string()?,
+                bytes: r.u64()?,
+                granularity: r.u64()?,
+                device_uuid: r.take(16)?.try_into().expect("16 bytes"),
+                dataset: r.u64()?,
+            }),
+            2 => Message::Ack { dataset: r.u64()? },
+            3 => Message::Reject {
+                reason: r.string()?,
+            },
+            other => return Err(ProtocolError::UnknownKind(other)),
+        })
+    }
+
+    /// Length prefix + body.
+    pub fn frame(&self) -> Vec<u8> {
+        let body = self.encode();
+        let mut out = (body.len() as u32).to_le_bytes().to_vec();
+        out.extend_from_slice(&body);
+        out
+    }
+}
+
+/// Sends `message` with an optional descriptor.
+pub fn send_message(socket: &UnixStream, message: &Message, fd: Option<&OwnedFd>) -> Result<()> {
+    send_with_fd(socket, &message.frame(), fd)
+}
+
+/// Reads one framed message and the descriptors that came with it.
+pub fn receive_message(socket: &UnixStream) -> Result<(Message, Vec<OwnedFd>)> {
+    let mut fds = Vec::new();
+    let mut header = [0u8; 4];
+    read_exact(socket, &mut header, &mut fds)?;
+    let len = u32::from_le_bytes(header) as usize;
+    if len > MAX_MESSAGE {
+        return Err(ProtocolError::TooLarge(len).into());
+    }
+    let mut body = vec![0u8; len];
+    read_exact(socket, &mut body, &mut fds)?;
+    Ok((Message::decode(&body)?, fds))
+}
+
+fn read_exact(socket: &UnixStream, buffer: &mut [u8], fds: &mut Vec<OwnedFd>) -> Result<()> {
+    let mut at = 0;
+    while at < buffer.len() {
+        let (n, received) = receive_with_fds(socket, &mut buffer[at..])?;
+        fds.extend(received);
+        if n == 0 {
+            return Err(if at == 0 && fds.is_empty() {
+                ProtocolError::Closed
+            } else {
+                ProtocolError::Truncated {
+                    needed: buffer.len(),
+                    got: at,
+                }
+            }
+            .into());
+        }
+        at += n;
+    }
+    Ok(())
+}
+
+/// Exports `dataset` (created with `SpaceOptions::shareable`) and sends it as an offer. The
+/// descriptor is closed here once sent; the peer holds its own.
+pub fn send_dataset(socket: &UnixStream, dataset: &Dataset) -> Result<()> {
+    let fd = dataset.physical()?.export()?;
+    let offer = Offer {
+        layout_fingerprint: dataset.layout_fingerprint(),
+        group: dataset.group().to_string(),
+        bytes: dataset.bytes() as u64,
+        granularity: crate::vmm::granularity(dataset.context(), true)? as u64,
+        device_uuid: device_uuid(dataset.context())?,
+        dataset: dataset.id(),
+    };
+    send_message(socket, &Message::Offer(offer), Some(&fd))
+}
+
+/// Receives an offer and imports it as a dataset of `space`'s layout, ready to bind. A mismatch
+/// (layout, group, size, device) is refused with a typed error and a Reject sent to the peer;
+/// every received descriptor is closed in all cases.
+pub fn receive_dataset(socket: &UnixStream, space: &Space) -> Result<(Dataset, Offer)> {
+    let (message, mut fds) = receive_message(socket)?;
+    let offer = match message {
+        Message::Offer(offer) => offer,
+        Message::Reject { reason } => return Err(Error::Rejected { reason }),
+        Message::Ack { .. } => {
+            return Err(ProtocolError::Unexpected {
+                expected: "an offer",
+            }
+            .into())
+        }
+    };
+    let fd = match (fds.pop(), fds.len()) {
+        (Some(fd), 0) => fd,
+        (None, _) => return Err(ProtocolError::MissingFd.into()),
+        (Some(_), extra) => return Err(ProtocolError::UnexpectedFds { count: extra + 1 }.into()),
+    };
+    match check_and_import(space, &offer, &fd) {
+        Ok(dataset) => Ok((dataset, offer)),
+        Err(error) => {
+            // Tell the producer why; a failure to tell it must not hide the real error.
+            let _ = send_message(
+                socket,
+                &Message::Reject {
+                    reason: error.to_string(),
+                },
+                None,
+            );
+            Err(error)
+        }
+    }
+}
+
+fn check_and_import(space: &Space, offer: &Offer, fd: &OwnedFd) -> Result<Dataset> {
+    let ctx = space.context();
+    let here = device_uuid(ctx)?;
+    if offer.device_uuid != here {
+        return Err(Error::DeviceMismatch {
+            expected: here,
+            found: offer.device_uuid,
+        });
+    }
+    let index = space.placement().group_index(&offer.group)?;
+    let region = &space.placement().groups[index];
+    if offer.layout_fingerprint != space.layout().fingerprint()
+        || offer.bytes != region.bytes as u64
+    {
+        return Err(Error::LayoutMismatch {
+            group: offer.group.clone(),
+            dataset_layout: offer.layout_fingerprint,
+            space_layout: space.layout().fingerprint(),
+        });
+    }
+    let physical = Physical::import(ctx, fd, region.bytes)?;
+    Dataset::from_physical(
+        ctx,
+        space.layout(),
+        space.placement(),
+        index,
+        &[ctx.ordinal()],
+        physical,
+    )
+}
+
+/// Acknowledges dataset `dataset` (the offer's id) to the producer.
+pub fn send_ack(socket: &UnixStream, dataset: u64) -> Result<()> {
+    send_message(socket, &Message::Ack { dataset }, None)
+}
+
+/// Waits for the consumer's answer about `dataset`: `Ok` on its Ack, [`Error::Rejected`] with the
+/// consumer's reason on a Reject.
+pub fn wait_ack(socket: &UnixStream, dataset: u64) -> Result<()> {
+    match receive_message(socket)?.0 {
+        Message::Ack { dataset: acked } if acked == dataset => Ok(()),
+        Message::Reject { reason } => Err(Error::Rejected { reason }),
+        _ => Err(ProtocolError::Unexpected {
+            expected: "an ack for this dataset",
+        }
+        .into()),
+    }
+}
+
+fn device_uuid(ctx: &std::sync::Arc<cudarc::driver::CudaContext>) -> Result<[u8; 16]> {
+    let uuid = crate::driver::traced("cuDeviceGetUuid", 0, || ctx.uuid())?;
+    Ok(uuid.bytes.map(|b| b as u8))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn offer() -> Offer {
+        Offer {
+            layout_fingerprint: 0x1234_5678_9abc_def0,
+            group: "weights".into(),
+            bytes: 6 << 20,
+            granularity: 2 << 20,
+            device_uuid: [7; 16],
+            dataset: 42,
+        }
+    }
+
+    #[test]
+    fn every_message_round_trips() {
+        for m in [
+            Message::Offer(offer()),
+            Message::Ack { dataset: 9 },
+            Message::Reject {
+                reason: "layout ≠".into(),
+            },
+        ] {
+            assert_eq!(Message::decode(&m.encode()), Ok(m.clone()));
+            let frame = m.frame();
+            assert_eq!(
+                u32::from_le_bytes(frame[..4].try_into().unwrap()) as usize,
+                frame.len() - 4
+            );
+        }
+    }
+
+    #[test]
+    fn every_truncation_is_reported_not_misread() {
+        let bytes = Message::Offer(offer()).encode();
+        for cut in 0..bytes.len() {
+            assert!(
+                matches!(
+                    Message::decode(&bytes[..cut]),
+                    Err(ProtocolError::Truncated { .. })
+                ),
+                "cut at {cut}"
+            );
+        }
+    }
+
+    #[test]
+    fn foreign_and_future_messages_are_refused() {
+        let mut bytes = Message::Ack { dataset: 1 }.encode();
+        bytes[0] = b'X';
+        assert_eq!(Message::decode(&bytes), Err(ProtocolError::BadMagic));
+        let mut bytes = Message::Ack { dataset: 1 }.encode();
+        bytes[4..6].copy_from_slice(&2u16.to_le_bytes());
+        assert_eq!(
+            Message::decode(&bytes),
+            Err(ProtocolError::Version {
+                got: 2,
+                supported: 1
+            })
+        );
+        let mut bytes = Message::Ack { dataset: 1 }.encode();
+        bytes[6] = 99;
+        assert_eq!(Message::decode(&bytes), Err(ProtocolError::UnknownKind(99)));
+        let mut bytes = Message::Reject {
+            reason: "ab".into(),
+        }
+        .encode();
+        let n = bytes.len();
+        bytes[n - 1] = 0xff;
+        assert_eq!(Message::decode(&bytes), Err(ProtocolError::BadUtf8));
+    }
+
+    #[test]
+    fn framed_messages_cross_a_socket_with_and_without_fds() {
+        let (a, b) = UnixStream::pair().unwrap();
+        send_message(&a, &Message::Ack { dataset: 5 }, None).unwrap();
+        let (m, fds) = receive_message(&b).unwrap();
+        assert_eq!(m, Message::Ack { dataset: 5 });
+        assert!(fds.is_empty());
+
+        // A descriptor travels with an offer (a pipe stands in for CUDA memory here).
+        let (read, _write) = std::io::pipe().unwrap();
+        let fd: OwnedFd = read.into();
+        send_message(&a, &Message::Offer(offer()), Some(&fd)).unwrap();
+        let (m, fds) = receive_message(&b).unwrap();
+        assert_eq!(m, Message::Offer(offer()));
+        assert_eq!(fds.len(), 1);
+
+        // Malformed and closed peers are typed errors.
+        std::io::Write::write_all(&mut &a, &[5, 0, 0, 0, b'n', b'o', b'p', b'e', b'!']).unwrap();
+        assert!(matches!(
+            receive_message(&b),
+            Err(Error::Protocol(ProtocolError::BadMagic))
+        ));
+        std::io::Write::write_all(&mut &a, &[200, 0, 0, 0, b'S']).unwrap();
+        drop(a);
+        assert!(matches!(
+            receive_message(&b),
+            Err(Error::Protocol(ProtocolError::Truncated { .. }))
+        ));
+        assert!(matches!(
+            receive_message(&b),
+            Err(Error::Protocol(ProtocolError::Closed))
+        ));
+    }
+
+    #[test]
+    fn oversized_frames_are_refused_before_allocation() {
+        let (a, b) = UnixStream::pair().unwrap();
+        std::io::Write::write_all(&mut &a, &u32::MAX.to_le_bytes()).unwrap();
+        assert!(matches!(
+            receive_message(&b),
+            Err(Error::Protocol(ProtocolError::TooLarge(_)))
+        ));
+    }
+}

@@ -1,0 +1,332 @@
+//! Two real processes sharing datasets over a Unix socket. This binary is its own child: with
+//! `STABLEBUF_IPC_ROLE` set it plays the producer, otherwise it runs the tests as the consumer.
+//! A custom harness (`harness = false`) because the child must not run the tests itself; it
+//! prints libtest's summary line, and without `--include-ignored` reports every test as ignored
+//! (they need a GPU).
+
+mod common;
+
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::process::{Child, Command};
+
+use common::{assert_matches, cpu_matmul, random_vec};
+use rand::{rngs::StdRng, SeedableRng};
+use stablebuf::share::{receive_message, send_message, Message, Offer, ProtocolError};
+use stablebuf::{
+    memory_info, open_device, receive_dataset, send_ack, send_dataset, wait_ack, Error, Kernels,
+    Layout, MatmulKernel, Space, SpaceOptions,
+};
+
+const PATTERN_LEN: usize = 16 << 20; // u32 elements: 64 MiB
+const M: usize = 128;
+const N: usize = 96;
+const K: usize = 160;
+
+fn pattern_layout(extra: usize) -> Layout {
+    Layout::builder()
+        .group("data")
+        .input("pattern", PATTERN_LEN * 4 + extra)
+        .build()
+        .unwrap()
+}
+
+fn pattern(i: usize) -> u32 {
+    ((i as u32).wrapping_mul(2).wrapping_add(1337)) ^ 0xDEAD_BEEF
+}
+
+fn matmul_layout() -> Layout {
+    Layout::builder()
+        .group("inputs")
+        .input("a", M * K * 4)
+        .input("b", K * N * 4)
+        .scratch("c", M * N * 4)
+        .build()
+        .unwrap()
+}
+
+fn matrices(seed: u64) -> (Vec<f32>, Vec<f32>) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    (random_vec(&mut rng, M * K), random_vec(&mut rng, K * N))
+}
+
+// ---------------------------------------------------------------- producer (child process)
+
+fn producer(role: &str) -> i32 {
+    let socket = UnixStream::connect(std::env::var("STABLEBUF_IPC_SOCKET").unwrap()).unwrap();
+    let seed: u64 = std::env::var("STABLEBUF_SEED").unwrap().parse().unwrap();
+    let ctx = open_device(0).unwrap();
+    let stream = ctx.new_stream().unwrap();
+    let shareable = SpaceOptions::default().shareable(true);
+    match role {
+        "pattern" => {
+            let space = Space::with_options(&ctx, pattern_layout(0), shareable).unwrap();
+            let d = space.new_dataset("data").unwrap();
+            d.write(
+                &stream,
+                "pattern",
+                &(0..PATTERN_LEN).map(pattern).collect::<Vec<_>>(),
+            )
+            .unwrap();
+            send_dataset(&socket, &d).unwrap();
+            wait_ack(&socket, d.id()).unwrap();
+            0 // exits now: the consumer must keep reading the memory after this
+        }
+        "matmul" => {
+            let space = Space::with_options(&ctx, matmul_layout(), shareable).unwrap();
+            for round in 0..2 {
+                let (a, b) = matrices(seed + round);
+                let d = space.new_dataset("inputs").unwrap();
+                d.write(&stream, "a", &a).unwrap();
+                d.write(&stream, "b", &b).unwrap();
+                space.bind(&d).unwrap(); // the producer's own binding, replaced next round
+                send_dataset(&socket, &d).unwrap();
+                wait_ack(&socket, d.id()).unwrap();
+            }
+            0
+        }
+        "mismatch" => {
+            let space = Space::with_options(&ctx, pattern_layout(4096), shareable).unwrap();
+            let d = space.new_dataset("data").unwrap();
+            send_dataset(&socket, &d).unwrap();
+            match wait_ack(&socket, d.id()) {
+                Err(Error::Rejected { reason }) => {
+                    eprintln!("producer: rejected as expected: {reason}");
+                    0
+                }
+                other => {
+                    eprintln!("producer: expected a rejection, got {other:?}");
+                    3
+                }
+            }
+        }
+        "malformed" => {
+            // 1. A frame that is not a stablebuf message.
+            std::io::Write::write_all(&mut &socket, &[4, 0, 0, 0, b'J', b'U', b'N', b'K']).unwrap();
+            // 2. A well-formed offer whose descriptor is a pipe, not CUDA memory.
+            let space = Space::with_options(&ctx, pattern_layout(0), shareable).unwrap();
+            let region = &space.placement().groups[0];
+            let uuid = ctx.uuid().unwrap().bytes.map(|b| b as u8);
+            let offer = Offer {
+                layout_fingerprint: space.layout().fingerprint(),
+                group: "data".into(),
+                bytes: region.bytes as u64,
+                granularity: stablebuf::vmm::granularity(&ctx, true).unwrap() as u64,
+                device_uuid: uuid,
+                dataset: 1,
+            };
+            let (read, _write) = std::io::pipe().unwrap();
+            send_message(&socket, &Message::Offer(offer), Some(&read.into())).unwrap();
+            // 3. Half a frame, then death mid-handshake.
+            std::io::Write::write_all(&mut &socket, &[64, 0, 0, 0, b'S', b'B']).unwrap();
+            std::process::exit(0);
+        }
+        other => panic!("unknown role {other}"),
+    }
+}
+
+// ---------------------------------------------------------------- consumer (the tests)
+
+struct Peer {
+    child: Child,
+    socket: UnixStream,
+    path: PathBuf,
+}
+
+impl Peer {
+    fn spawn(role: &str, seed: u64) -> Peer {
+        let path =
+            std::env::temp_dir().join(format!("stablebuf-ipc-{}-{role}.sock", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        let listener = UnixListener::bind(&path).unwrap();
+        let child = Command::new(std::env::current_exe().unwrap())
+            .env("STABLEBUF_IPC_ROLE", role)
+            .env("STABLEBUF_IPC_SOCKET", &path)
+            .env("STABLEBUF_SEED", seed.to_string())
+            .spawn()
+            .unwrap();
+        let (socket, _) = listener.accept().unwrap();
+        Peer {
+            child,
+            socket,
+            path,
+        }
+    }
+
+    fn finish(mut self) {
+        let status = self.child.wait().unwrap();
+        let _ = std::fs::remove_file(&self.path);
+        assert!(status.success(), "producer exited with {status}");
+    }
+}
+
+fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").unwrap().count()
+}
+
+/// Runs `test` and checks that no descriptor and no device memory outlive it.
+fn without_leaks(test: impl FnOnce()) {
+    let ctx = open_device(0).unwrap();
+    ctx.synchronize().unwrap();
+    let (fds, (free, _)) = (open_fds(), memory_info(&ctx).unwrap());
+    test();
+    ctx.synchronize().unwrap();
+    let (fds_after, (free_after, _)) = (open_fds(), memory_info(&ctx).unwrap());
+    assert_eq!(fds_after, fds, "file descriptors leaked");
+    assert!(
+        free.saturating_sub(free_after) <= 2 << 20,
+        "device memory leaked: {} bytes",
+        free - free_after
+    );
+}
+
+fn pattern_is_verified_and_outlives_the_producer() {
+    without_leaks(|| {
+        let ctx = open_device(0).unwrap();
+        let stream = ctx.new_stream().unwrap();
+        let space = Space::new(&ctx, pattern_layout(0)).unwrap();
+        let peer = Peer::spawn("pattern", 0);
+        let (dataset, offer) = receive_dataset(&peer.socket, &space).unwrap();
+        send_ack(&peer.socket, offer.dataset).unwrap();
+        peer.finish(); // the producer has exited
+        space.bind(&dataset).unwrap();
+        let got: Vec<u32> = space.read(&stream, "pattern").unwrap();
+        let bad = got
+            .iter()
+            .enumerate()
+            .filter(|(i, v)| **v != pattern(*i))
+            .count();
+        assert_eq!(bad, 0, "{bad} of {PATTERN_LEN} elements differ");
+        eprintln!("consumer: verified all {PATTERN_LEN} elements after the producer exited");
+    });
+}
+
+fn a_consumer_graph_replays_on_shared_data_and_on_new_data_after_reimport() {
+    without_leaks(|| {
+        let ctx = open_device(0).unwrap();
+        let stream = ctx.new_stream().unwrap();
+        let kernels = std::sync::Arc::new(Kernels::load(&ctx).unwrap());
+        let space = Space::new(&ctx, matmul_layout()).unwrap();
+        let (a, b, c) = (
+            space.slot("a").unwrap().clone(),
+            space.slot("b").unwrap().clone(),
+            space.slot("c").unwrap().clone(),
+        );
+        let k = kernels.clone();
+        let graph = space
+            .capture(&stream, move |s| {
+                k.matmul(s, MatmulKernel::Auto, &a, &b, &c, M, N, K)
+                    .map(drop)
+            })
+            .unwrap();
+        let seed = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos() as u64;
+        eprintln!("matmul over shared data: seed {seed}");
+        let peer = Peer::spawn("matmul", seed);
+        let mut held = Vec::new();
+        for round in 0..2 {
+            let (dataset, offer) = receive_dataset(&peer.socket, &space).unwrap();
+            space.bind(&dataset).unwrap();
+            kernels
+                .fill(&stream, space.slot("c").unwrap(), f32::NAN)
+                .unwrap();
+            graph.replay().unwrap();
+            let (x, y) = matrices(seed + round);
+            assert_matches(
+                &space.read(&stream, "c").unwrap(),
+                &cpu_matmul(&x, &y, M, N, K),
+                K,
+                &format!("round {round}"),
+            );
+            send_ack(&peer.socket, offer.dataset).unwrap();
+            held.push(dataset);
+        }
+        peer.finish();
+        drop(held);
+    });
+}
+
+fn a_mismatched_layout_is_rejected_on_both_sides() {
+    without_leaks(|| {
+        let ctx = open_device(0).unwrap();
+        let space = Space::new(&ctx, pattern_layout(0)).unwrap();
+        let peer = Peer::spawn("mismatch", 0);
+        assert!(matches!(
+            receive_dataset(&peer.socket, &space),
+            Err(Error::LayoutMismatch { .. })
+        ));
+        peer.finish(); // exits 0 only if it saw the Reject
+    });
+}
+
+fn malformed_messages_foreign_fds_and_a_dying_producer_are_typed_errors() {
+    without_leaks(|| {
+        let ctx = open_device(0).unwrap();
+        let space = Space::new(&ctx, pattern_layout(0)).unwrap();
+        let peer = Peer::spawn("malformed", 0);
+        assert!(matches!(
+            receive_dataset(&peer.socket, &space),
+            Err(Error::Protocol(ProtocolError::BadMagic))
+        ));
+        match receive_dataset(&peer.socket, &space) {
+            Err(Error::Driver {
+                call: "cuMemImportFromShareableHandle",
+                ..
+            }) => {}
+            other => panic!("a pipe imported as CUDA memory: {other:?}"),
+        }
+        assert!(matches!(
+            receive_dataset(&peer.socket, &space),
+            Err(Error::Protocol(ProtocolError::Truncated { .. }))
+        ));
+        assert!(matches!(
+            receive_message(&peer.socket),
+            Err(Error::Protocol(ProtocolError::Closed))
+        ));
+        peer.finish();
+    });
+}
+
+fn main() {
+    if let Ok(role) = std::env::var("STABLEBUF_IPC_ROLE") {
+        std::process::exit(producer(&role));
+    }
+    let run = std::env::args().any(|a| a == "--include-ignored" || a == "--ignored");
+    let tests: [(&str, fn()); 4] = [
+        (
+            "pattern_is_verified_and_outlives_the_producer",
+            pattern_is_verified_and_outlives_the_producer,
+        ),
+        (
+            "a_consumer_graph_replays_on_shared_data_and_on_new_data_after_reimport",
+            a_consumer_graph_replays_on_shared_data_and_on_new_data_after_reimport,
+        ),
+        (
+            "a_mismatched_layout_is_rejected_on_both_sides",
+            a_mismatched_layout_is_rejected_on_both_sides,
+        ),
+        (
+            "malformed_messages_foreign_fds_and_a_dying_producer_are_typed_errors",
+            malformed_messages_foreign_fds_and_a_dying_producer_are_typed_errors,
+        ),
+    ];
+    println!("\nrunning {} tests", tests.len());
+    let (mut passed, mut failed, mut ignored) = (0, 0, 0);
+    for (name, test) in tests {
+        if !run {
+            println!("test {name} ... ignored, needs a CUDA GPU");
+            ignored += 1;
+        } else if std::panic::catch_unwind(test).is_ok() {
+            println!("test {name} ... ok");
+            passed += 1;
+        } else {
+            println!("test {name} ... FAILED");
+            failed += 1;
+        }
+    }
+    let verdict = if failed == 0 { "ok" } else { "FAILED" };
+    println!("\ntest result: {verdict}. {passed} passed; {failed} failed; {ignored} ignored; 0 measured; 0 filtered out\n");
+    std::process::exit(i32::from(failed > 0));
+}
