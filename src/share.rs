@@ -441,6 +441,30 @@ mod tests {
     }
 
     #[test]
+    fn a_peer_dying_with_our_reply_unread_reads_as_truncated_then_closed() {
+        let (a, b) = UnixStream::pair().unwrap();
+        std::io::Write::write_all(&mut &a, &[64, 0, 0, 0, b'S', b'B']).unwrap();
+        // `b` answers; `a` never reads it and goes away (Linux then resets the connection).
+        send_message(
+            &b,
+            &Message::Reject {
+                reason: "no".into(),
+            },
+            None,
+        )
+        .unwrap();
+        drop(a);
+        assert!(matches!(
+            receive_message(&b),
+            Err(Error::Protocol(ProtocolError::Truncated { .. }))
+        ));
+        assert!(matches!(
+            receive_message(&b),
+            Err(Error::Protocol(ProtocolError::Closed))
+        ));
+    }
+
+    #[test]
     fn oversized_frames_are_refused_before_allocation() {
         let (a, b) = UnixStream::pair().unwrap();
         std::io::Write::write_all(&mut &a, &u32::MAX.to_le_bytes()).unwrap();

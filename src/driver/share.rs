@@ -85,13 +85,14 @@ pub(crate) fn receive_with_fds(
 ) -> Result<(usize, Vec<OwnedFd>)> {
     let mut space = nix::cmsg_space!([RawFd; 4]);
     let mut iov = [IoSliceMut::new(buffer)];
-    let message = recvmsg::<()>(
-        socket.as_raw_fd(),
-        &mut iov,
-        Some(&mut space),
-        MsgFlags::MSG_CMSG_CLOEXEC,
-    )
-    .map_err(|e| io_error("recvmsg", e))?;
+    let flags = MsgFlags::MSG_CMSG_CLOEXEC;
+    let message = match recvmsg::<()>(socket.as_raw_fd(), &mut iov, Some(&mut space), flags) {
+        Ok(message) => message,
+        // A peer that exits with our last message unread resets the connection: for the
+        // protocol that is the end of the stream, as a plain close would be.
+        Err(nix::errno::Errno::ECONNRESET) => return Ok((0, Vec::new())),
+        Err(e) => return Err(io_error("recvmsg", e)),
+    };
     let mut fds = Vec::new();
     for cmsg in message.cmsgs().map_err(|e| io_error("recvmsg", e))? {
         if let ControlMessageOwned::ScmRights(received) = cmsg {
