@@ -181,6 +181,13 @@ impl Dataset {
         }
     }
 
+    /// A new file descriptor for this dataset's memory, owned by the caller (closed on drop), for
+    /// passing to another process. The dataset must come from a space with
+    /// `SpaceOptions::shareable`; [`send_dataset`](crate::send_dataset) does this and sends it.
+    pub fn export(&self) -> Result<std::os::fd::OwnedFd> {
+        self.physical()?.export()
+    }
+
     /// Whether the bytes are in device memory (not offloaded).
     pub fn is_resident(&self) -> bool {
         matches!(self.residency, Residency::Device(_))

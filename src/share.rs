@@ -71,6 +71,36 @@ pub struct Offer {
     pub dataset: u64,
 }
 
+impl Offer {
+    /// Whether a space of `layout` placed as `placement` on the device `uuid` can take this
+    /// offer; returns the offered group's index.
+    pub fn check(
+        &self,
+        layout: &crate::Layout,
+        placement: &crate::layout::Placement,
+        uuid: [u8; 16],
+    ) -> Result<usize> {
+        if self.device_uuid != uuid {
+            return Err(Error::DeviceMismatch {
+                expected: uuid,
+                found: self.device_uuid,
+            });
+        }
+        let mismatch = || Error::LayoutMismatch {
+            group: self.group.clone(),
+            dataset_layout: self.layout_fingerprint,
+            space_layout: layout.fingerprint(),
+        };
+        let index = placement.group_index(&self.group).map_err(|_| mismatch())?;
+        if self.layout_fingerprint != layout.fingerprint()
+            || self.bytes != placement.groups[index].bytes as u64
+        {
+            return Err(mismatch());
+        }
+        Ok(index)
+    }
+}
+
 /// One message of the protocol.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Message {
@@ -231,7 +261,7 @@ fn read_exact(socket: &UnixStream, buffer: &mut [u8], fds: &mut Vec<OwnedFd>) ->
 /// Exports `dataset` (created with `SpaceOptions::shareable`) and sends it as an offer. The
 /// descriptor is closed here once sent; the peer holds its own.
 pub fn send_dataset(socket: &UnixStream, dataset: &Dataset) -> Result<()> {
-    let fd = dataset.physical()?.export()?;
+    let fd = dataset.export()?;
     let offer = Offer {
         layout_fingerprint: dataset.layout_fingerprint(),
         group: dataset.group().to_string(),
@@ -281,24 +311,8 @@ pub fn receive_dataset(socket: &UnixStream, space: &Space) -> Result<(Dataset, O
 
 fn check_and_import(space: &Space, offer: &Offer, fd: &OwnedFd) -> Result<Dataset> {
     let ctx = space.context();
-    let here = device_uuid(ctx)?;
-    if offer.device_uuid != here {
-        return Err(Error::DeviceMismatch {
-            expected: here,
-            found: offer.device_uuid,
-        });
-    }
-    let index = space.placement().group_index(&offer.group)?;
+    let index = offer.check(space.layout(), space.placement(), device_uuid(ctx)?)?;
     let region = &space.placement().groups[index];
-    if offer.layout_fingerprint != space.layout().fingerprint()
-        || offer.bytes != region.bytes as u64
-    {
-        return Err(Error::LayoutMismatch {
-            group: offer.group.clone(),
-            dataset_layout: offer.layout_fingerprint,
-            space_layout: space.layout().fingerprint(),
-        });
-    }
     let physical = Physical::import(ctx, fd, region.bytes)?;
     Dataset::from_physical(
         ctx,
@@ -364,6 +378,49 @@ mod tests {
                 frame.len() - 4
             );
         }
+    }
+
+    #[test]
+    fn offers_for_another_layout_group_size_or_device_are_refused() {
+        let layout = crate::Layout::builder()
+            .group("weights")
+            .input("w", 5 << 20)
+            .build()
+            .unwrap();
+        let placement = layout.place(2 << 20).unwrap();
+        let good = Offer {
+            layout_fingerprint: layout.fingerprint(),
+            bytes: 6 << 20,
+            ..offer()
+        };
+        assert_eq!(good.check(&layout, &placement, [7; 16]).unwrap(), 0);
+        let cases = [
+            Offer {
+                layout_fingerprint: 1,
+                ..good.clone()
+            },
+            Offer {
+                group: "other".into(),
+                ..good.clone()
+            },
+            Offer {
+                bytes: 4 << 20,
+                ..good.clone()
+            },
+        ];
+        for bad in cases {
+            assert!(
+                matches!(
+                    bad.check(&layout, &placement, [7; 16]),
+                    Err(Error::LayoutMismatch { .. })
+                ),
+                "{bad:?}"
+            );
+        }
+        assert!(matches!(
+            good.check(&layout, &placement, [8; 16]),
+            Err(Error::DeviceMismatch { .. })
+        ));
     }
 
     #[test]
