@@ -7,7 +7,7 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{assert_matches, cpu_matmul, gpu, random_vec, rng, Gpu};
+use common::{assert_matches, capture_matmul, cpu_matmul, gpu, random_vec, rng, Gpu};
 use stablebuf::cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
 use stablebuf::{
     memory_info, Dataset, Error, FencePolicy, Layout, MatmulKernel, NodeKind, Space, SpaceOptions,
@@ -50,13 +50,13 @@ impl Problem {
     }
 
     fn capture(&self, gpu: &Gpu, space: &Space, kind: MatmulKernel) -> StableGraph {
-        let (a, b, c) = slots(space);
-        let (m, n, k, kernels) = (self.m, self.n, self.k, gpu.kernels.clone());
-        space
-            .capture(&gpu.stream, move |s| {
-                kernels.matmul(s, kind, &a, &b, &c, m, n, k).map(drop)
-            })
-            .unwrap()
+        capture_matmul(
+            space,
+            &gpu.stream,
+            &gpu.kernels,
+            kind,
+            (self.m, self.n, self.k),
+        )
     }
 
     /// Poisons c, replays, returns c.

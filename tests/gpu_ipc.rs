@@ -10,7 +10,7 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::process::{Child, Command};
 
-use common::{assert_matches, cpu_matmul, random_vec};
+use common::{assert_matches, capture_matmul, cpu_matmul, random_vec};
 use rand::{rngs::StdRng, SeedableRng};
 use stablebuf::share::{receive_message, send_message, Message, Offer, ProtocolError};
 use stablebuf::{
@@ -207,18 +207,7 @@ fn a_consumer_graph_replays_on_shared_data_and_on_new_data_after_reimport() {
         let stream = ctx.new_stream().unwrap();
         let kernels = std::sync::Arc::new(Kernels::load(&ctx).unwrap());
         let space = Space::new(&ctx, matmul_layout()).unwrap();
-        let (a, b, c) = (
-            space.slot("a").unwrap().clone(),
-            space.slot("b").unwrap().clone(),
-            space.slot("c").unwrap().clone(),
-        );
-        let k = kernels.clone();
-        let graph = space
-            .capture(&stream, move |s| {
-                k.matmul(s, MatmulKernel::Auto, &a, &b, &c, M, N, K)
-                    .map(drop)
-            })
-            .unwrap();
+        let graph = capture_matmul(&space, &stream, &kernels, MatmulKernel::Auto, (M, N, K));
         let seed = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap()

@@ -5,7 +5,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{assert_matches, cpu_matmul, gpu, random_vec, rng, Gpu};
+use common::{assert_matches, capture_matmul, cpu_matmul, gpu, random_vec, rng, Gpu};
 use rand::Rng;
 use stablebuf::vmm::Physical;
 use stablebuf::{
@@ -131,19 +131,13 @@ fn a_graph_captured_before_sleep_replays_after_wake_on_the_same_contents() {
     batch.write(&gpu.stream, "a", &a).unwrap();
     space.bind(&weights).unwrap();
     space.bind(&batch).unwrap();
-    let (sa, sb, sc) = (
-        space.slot("a").unwrap().clone(),
-        space.slot("b").unwrap().clone(),
-        space.slot("c").unwrap().clone(),
+    let graph = capture_matmul(
+        &space,
+        &gpu.stream,
+        &gpu.kernels,
+        MatmulKernel::Auto,
+        (m, n, k),
     );
-    let kernels = gpu.kernels.clone();
-    let graph = space
-        .capture(&gpu.stream, move |s| {
-            kernels
-                .matmul(s, MatmulKernel::Auto, &sa, &sb, &sc, m, n, k)
-                .map(drop)
-        })
-        .unwrap();
     graph.replay().unwrap();
     let before: Vec<f32> = space.read(&gpu.stream, "c").unwrap();
     assert_matches(&before, &cpu_matmul(&a, &b, m, n, k), k, "before sleep");
@@ -205,19 +199,13 @@ fn replay_while_offloaded_is_a_typed_error_and_works_after_restore() {
     d.write(&gpu.stream, "a", &a).unwrap();
     d.write(&gpu.stream, "b", &b).unwrap();
     space.bind(&d).unwrap();
-    let (sa, sb, sc) = (
-        space.slot("a").unwrap().clone(),
-        space.slot("b").unwrap().clone(),
-        space.slot("c").unwrap().clone(),
+    let graph = capture_matmul(
+        &space,
+        &gpu.stream,
+        &gpu.kernels,
+        MatmulKernel::Auto,
+        (m, n, k),
     );
-    let kernels = gpu.kernels.clone();
-    let graph = space
-        .capture(&gpu.stream, move |s| {
-            kernels
-                .matmul(s, MatmulKernel::Auto, &sa, &sb, &sc, m, n, k)
-                .map(drop)
-        })
-        .unwrap();
     d.offload(&HostStorage::Pageable, &gpu.stream).unwrap();
     assert!(matches!(graph.replay(), Err(Error::Unbound { .. })));
     d.restore(&gpu.stream).unwrap();

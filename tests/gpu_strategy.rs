@@ -5,7 +5,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{assert_matches, cpu_matmul, gpu, random_vec, rng};
+use common::{assert_matches, capture_matmul, cpu_matmul, gpu, random_vec, rng};
 use stablebuf::{
     BindStrategy, Blas, CostModel, Dataset, Error, Layout, MatmulKernel, NodeKind, Pipeline, Space,
     SpaceOptions, RECOMMENDED_WORKSPACE,
@@ -45,19 +45,13 @@ fn copy_in_groups_compute_on_each_bound_dataset_and_copy_outputs_out() {
             (d, cpu_matmul(&a, &b, m, n, k))
         })
         .collect();
-    let (a, b, c) = (
-        space.slot("a").unwrap().clone(),
-        space.slot("b").unwrap().clone(),
-        space.slot("c").unwrap().clone(),
+    let graph = capture_matmul(
+        &space,
+        &gpu.stream,
+        &gpu.kernels,
+        MatmulKernel::Auto,
+        (m, n, k),
     );
-    let kernels = gpu.kernels.clone();
-    let graph = space
-        .capture(&gpu.stream, move |s| {
-            kernels
-                .matmul(s, MatmulKernel::Auto, &a, &b, &c, m, n, k)
-                .map(drop)
-        })
-        .unwrap();
     assert!(matches!(graph.replay(), Err(Error::Unbound { .. })));
 
     for round in 0..6 {

@@ -84,3 +84,20 @@ pub fn max_abs_error(got: &[f32], want: &[f32]) -> f32 {
         .map(|(g, w)| (g - w).abs())
         .fold(0.0, |m, e| if e.is_nan() { f32::NAN } else { m.max(e) })
 }
+
+/// Captures `C = A·B` (`m × k` by `k × n`) over slots "a", "b" and "c" of `space` on `stream`.
+pub fn capture_matmul(
+    space: &stablebuf::Space,
+    stream: &Arc<CudaStream>,
+    kernels: &Arc<Kernels>,
+    kind: stablebuf::MatmulKernel,
+    (m, n, k): (usize, usize, usize),
+) -> stablebuf::StableGraph {
+    let slot = |name: &str| space.slot(name).unwrap().clone();
+    let (a, b, c, kernels) = (slot("a"), slot("b"), slot("c"), kernels.clone());
+    space
+        .capture(stream, move |s| {
+            kernels.matmul(s, kind, &a, &b, &c, m, n, k).map(drop)
+        })
+        .unwrap()
+}
