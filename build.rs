@@ -93,7 +93,7 @@ fn main() {
 fn stamp(source: &str, ptx: &str) -> String {
     let body = match ptx.lines().next() {
         Some(first) if first.starts_with(PTX_SOURCE_HEADER) => {
-            &ptx[first.len()..].trim_start_matches('\n')
+            ptx[first.len()..].trim_start_matches('\n')
         }
         _ => ptx,
     };
@@ -106,7 +106,7 @@ fn stamp(source: &str, ptx: &str) -> String {
 fn nvcc(out_dir: &Path) -> Result<(String, String), String> {
     let from_home = ["CUDA_HOME", "CUDA_PATH"]
         .iter()
-        .filter_map(|v| std::env::var_os(v))
+        .filter_map(std::env::var_os)
         .map(|home| PathBuf::from(home).join("bin").join("nvcc"))
         .find(|p| p.is_file());
     let nvcc = from_home.unwrap_or_else(|| PathBuf::from("nvcc"));

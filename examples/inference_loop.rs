@@ -159,7 +159,7 @@ fn main() -> Result<()> {
         shape.layers,
         if shape.ptx { "the PTX register-tiled kernel" } else { "cuBLAS SGEMM" },
         args.weight_sets,
-        shape.layers * (h * h + h) * 4 >> 20,
+        (shape.layers * (h * h + h) * 4) >> 20,
         args.batches
     );
 

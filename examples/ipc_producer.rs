@@ -26,7 +26,7 @@ fn main() -> Result<()> {
     dataset.write(&stream, "pattern", &data)?;
     println!(
         "producer: wrote {LEN} elements ({} MiB) with data[i] = (i * 2 + 1337) ^ 0xDEADBEEF",
-        LEN * 4 >> 20
+        (LEN * 4) >> 20
     );
 
     let path = std::env::temp_dir().join(format!("stablebuf-demo-{}.sock", std::process::id()));

@@ -156,3 +156,45 @@ extern "C" __global__ void spin_ns(unsigned long long ns) {
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
     } while (now - start < ns);
 }
+
+// A 32-bit value that depends only on the element's index and a seed (splitmix64's finaliser):
+// a pattern written before a buffer grows or moves can be checked element by element after.
+__device__ __forceinline__ unsigned int pattern_u32(unsigned long long i, unsigned int seed) {
+    unsigned long long x = (i + 1) * 0x9E3779B97F4A7C15ull ^ ((unsigned long long)seed << 32 | seed);
+    x ^= x >> 30;
+    x *= 0xBF58476D1CE4E5B9ull;
+    x ^= x >> 27;
+    x *= 0x94D049BB133111EBull;
+    x ^= x >> 31;
+    // Always odd, so it never equals an even poison such as a NaN fill (0x7fc00000): a check
+    // of a poisoned range then fails on every element, not on all but a few by chance.
+    return (unsigned int)x | 1u;
+}
+
+// p[i] = pattern(i, seed) for i in [first, first + count).
+extern "C" __global__ void fill_pattern_u32(unsigned int* __restrict__ p, unsigned long long first,
+                                            unsigned long long count, unsigned int seed) {
+    for (unsigned long long j = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; j < count;
+         j += (unsigned long long)gridDim.x * blockDim.x)
+        p[first + j] = pattern_u32(first + j, seed);
+}
+
+// Adds to *mismatches the number of i in [first, first + count) where p[i] != pattern(i, seed).
+extern "C" __global__ void count_pattern_mismatches_u32(const unsigned int* __restrict__ p,
+                                                        unsigned long long first,
+                                                        unsigned long long count, unsigned int seed,
+                                                        unsigned long long* mismatches) {
+    unsigned long long local = 0;
+    for (unsigned long long j = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; j < count;
+         j += (unsigned long long)gridDim.x * blockDim.x)
+        local += p[first + j] != pattern_u32(first + j, seed);
+    if (local != 0)
+        atomicAdd(mismatches, local);
+}
+
+// p[i] = a * p[i] + b: reads and writes every element, in place.
+extern "C" __global__ void affine_f32(float* __restrict__ p, unsigned long long n, float a, float b) {
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x)
+        p[i] = a * p[i] + b;
+}

@@ -160,6 +160,47 @@ pub enum Error {
     #[error("the stream is already capturing")]
     AlreadyCapturing,
 
+    /// The pool could not get physical memory even after draining its cache (`drained` bytes
+    /// released). `cached` and `held` are the pool's figures when the request came.
+    #[error("pool out of device memory: asked {asked} bytes with {held} held and {cached} cached; drained {drained}, the driver still refused")]
+    PoolOutOfMemory {
+        asked: usize,
+        cached: usize,
+        held: usize,
+        drained: usize,
+    },
+
+    /// A request would exceed the pool's physical budget or a tenant's own limit, even after
+    /// releasing the cache. Nothing was allocated.
+    #[error("over budget ({scope}): asked {asked} bytes, limit {limit}, {held} already held")]
+    OverBudget {
+        scope: String,
+        asked: usize,
+        limit: usize,
+        held: usize,
+    },
+
+    /// A tenant's virtual address capacity has no free run long enough for the request.
+    #[error("tenant `{tenant}`: no {asked}-byte range free in its {capacity}-byte reservation (largest free run {largest_free_run})")]
+    VirtualCapacity {
+        tenant: String,
+        asked: usize,
+        capacity: usize,
+        largest_free_run: usize,
+    },
+
+    /// A block was asked to grow past the virtual capacity it reserved.
+    #[error("cannot grow a block to {asked} bytes: it reserved {capacity}")]
+    BeyondCapacity { asked: usize, capacity: usize },
+
+    /// The block's tenant was unregistered: its memory is gone.
+    #[error("tenant `{tenant}` was unregistered; its blocks hold no memory")]
+    TenantGone { tenant: String },
+
+    /// Rendering the timeline picture failed.
+    #[error("rendering the timeline: {0}")]
+    Timeline(String),
+
     /// An error from a cudarc call made by user code inside a capture or launch.
     #[error("cudarc: {0}")]
     Cudarc(#[from] DriverError),
@@ -171,6 +212,9 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 impl Error {
     /// Whether this error means the device ran out of memory.
     pub fn is_out_of_memory(&self) -> bool {
-        matches!(self, Error::OutOfMemory { .. })
+        matches!(
+            self,
+            Error::OutOfMemory { .. } | Error::PoolOutOfMemory { .. }
+        )
     }
 }

@@ -57,9 +57,14 @@
 //! - Every driver failure is an [`Error`] naming the call; after an error, state is unchanged.
 //! - Drop order: unmap before release, release before freeing the reservation.
 //!
+//! [`ElasticPool`] ([`pool`]) is the other half: blocks at fixed addresses that grow in place,
+//! a physical chunk pool that stitches scattered cached chunks into one range and drains its
+//! cache on out-of-memory, budgets shared by tenants, statistics and an SVG timeline.
+//!
 //! ## Layers
 //! `driver` (the only `unsafe`: VMM, graphs, launches) → [`layout`] (arithmetic) →
-//! [`Space`]/[`Dataset`] (binding) → [`StableGraph`] (capture, replay, update checks).
+//! [`Space`]/[`Dataset`] (binding) → [`StableGraph`] (capture, replay, update checks); and
+//! `driver` → [`pool`] (chunk and address books, then blocks and tenants over them).
 
 mod arena;
 mod dataset;
@@ -71,6 +76,7 @@ pub mod kernels;
 pub mod layout;
 mod offload;
 mod pipeline;
+pub mod pool;
 pub mod share;
 mod space;
 mod strategy;
@@ -87,6 +93,7 @@ pub use kernels::{DeviceBuffer, Kernels, MatmulKernel};
 pub use layout::{Layout, LayoutBuilder, Role};
 pub use offload::{offload_tagged, restore_tagged, HostStorage, StorageUsed, TransferReport};
 pub use pipeline::{Lane, Pipeline};
+pub use pool::{Block, ElasticPool, PoolOptions, PoolStats, Tenant, TenantStats};
 pub use share::{receive_dataset, send_ack, send_dataset, wait_ack};
 pub use space::{Slot, Space, SpaceOptions};
 pub use strategy::{BindStrategy, CostModel};
@@ -95,6 +102,7 @@ pub use view::SlotView;
 /// The raw VMM wrappers (reservation, physical memory, mapping), safe RAII types for callers
 /// that want to build their own layouts or measure the driver floor.
 pub mod vmm {
+    pub use crate::driver::linear::{copy_between, LinearBuffer};
     pub use crate::driver::vmm::{granularity, Mapping, Physical, Reservation};
 }
 

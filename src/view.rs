@@ -58,7 +58,7 @@ impl<T> SlotView<'_, T> {
 /// How many `T` fit exactly in `bytes`.
 pub(crate) fn element_count<T>(slot: &str, bytes: usize) -> Result<usize> {
     let elem = std::mem::size_of::<T>();
-    if elem == 0 || bytes % elem != 0 {
+    if elem == 0 || !bytes.is_multiple_of(elem) {
         return Err(Error::ElementSize {
             slot: slot.into(),
             bytes,

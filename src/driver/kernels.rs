@@ -45,9 +45,13 @@ pub struct Kernels {
     bias_act: CudaFunction,
     fill: CudaFunction,
     spin: CudaFunction,
+    fill_pattern: CudaFunction,
+    count_mismatches: CudaFunction,
+    affine: CudaFunction,
 }
 
 const F32: usize = std::mem::size_of::<f32>();
+const U32: usize = std::mem::size_of::<u32>();
 
 pub(crate) fn dim(name: &str, value: usize) -> Result<i32> {
     match i32::try_from(value) {
@@ -90,6 +94,9 @@ impl Kernels {
             bias_act: function("bias_act")?,
             fill: function("fill_f32")?,
             spin: function("spin_ns")?,
+            fill_pattern: function("fill_pattern_u32")?,
+            count_mismatches: function("count_pattern_mismatches_u32")?,
+            affine: function("affine_f32")?,
             module,
         })
     }
@@ -110,7 +117,8 @@ impl Kernels {
         match kind {
             MatmulKernel::Auto => {
                 let aligned = buffers.iter().all(|b| b.device_address() % 16 == 0);
-                if aligned && m % 128 == 0 && n % 128 == 0 && k % 8 == 0 {
+                if aligned && m.is_multiple_of(128) && n.is_multiple_of(128) && k.is_multiple_of(8)
+                {
                     MatmulKernel::RegisterTiled
                 } else {
                     MatmulKernel::Tiled
@@ -234,6 +242,85 @@ impl Kernels {
         })
     }
 
+    /// Enqueues a write of a seeded pattern to `u32` elements `[first, first + count)` of
+    /// `buffer`; each element's value depends only on its index and `seed`, so the pattern can
+    /// be checked after the buffer grows or its backing moves.
+    pub fn fill_pattern(
+        &self,
+        stream: &Arc<CudaStream>,
+        buffer: &impl DeviceBuffer,
+        first: usize,
+        count: usize,
+        seed: u32,
+    ) -> Result<()> {
+        pattern_range(buffer, first, count)?;
+        if count == 0 {
+            return Ok(());
+        }
+        let (ptr, first, count) = (buffer.device_address(), first as u64, count as u64);
+        traced("cuLaunchKernel", 0, || {
+            let mut launch = stream.launch_builder(&self.fill_pattern);
+            launch.arg(&ptr).arg(&first).arg(&count).arg(&seed);
+            // SAFETY: matches `fill_pattern_u32(unsigned*, u64, u64, unsigned)`; the range was
+            // checked against the buffer above.
+            unsafe { launch.launch(grid_stride(count)) }.map(drop)
+        })
+    }
+
+    /// Counts the `u32` elements in `[first, first + count)` of `buffer` that differ from the
+    /// pattern [`Kernels::fill_pattern`] writes with `seed`. Blocks until the count is known.
+    pub fn pattern_mismatches(
+        &self,
+        stream: &Arc<CudaStream>,
+        buffer: &impl DeviceBuffer,
+        first: usize,
+        count: usize,
+        seed: u32,
+    ) -> Result<u64> {
+        pattern_range(buffer, first, count)?;
+        if count == 0 {
+            return Ok(0);
+        }
+        let counter = traced("cuMemAllocAsync", 8, || stream.alloc_zeros::<u64>(1))?;
+        let (ptr, first, count) = (buffer.device_address(), first as u64, count as u64);
+        traced("cuLaunchKernel", 0, || {
+            let mut launch = stream.launch_builder(&self.count_mismatches);
+            launch
+                .arg(&ptr)
+                .arg(&first)
+                .arg(&count)
+                .arg(&seed)
+                .arg(&counter);
+            // SAFETY: matches `count_pattern_mismatches_u32(const unsigned*, u64, u64, unsigned,
+            // u64*)`; the range was checked above and `counter` is one live u64.
+            unsafe { launch.launch(grid_stride(count)) }.map(drop)
+        })?;
+        let host = traced("cuMemcpyDtoHAsync", 8, || stream.clone_dtoh(&counter))?;
+        Ok(host[0])
+    }
+
+    /// Enqueues `x = a * x + b` over every whole `f32` of `buffer`, in place: a kernel that
+    /// reads and writes a range end to end.
+    pub fn affine(
+        &self,
+        stream: &Arc<CudaStream>,
+        buffer: &impl DeviceBuffer,
+        a: f32,
+        b: f32,
+    ) -> Result<()> {
+        let count = (buffer.byte_len() / F32) as u64;
+        if count == 0 {
+            return Ok(());
+        }
+        let ptr = buffer.device_address();
+        traced("cuLaunchKernel", 0, || {
+            let mut launch = stream.launch_builder(&self.affine);
+            launch.arg(&ptr).arg(&count).arg(&a).arg(&b);
+            // SAFETY: matches `affine_f32(float*, u64, float, float)`; `count` floats fit.
+            unsafe { launch.launch(grid_stride(count)) }.map(drop)
+        })
+    }
+
     /// Enqueues a kernel that keeps the GPU busy for `duration`: a stand-in for long work.
     pub fn spin(&self, stream: &Arc<CudaStream>, duration: Duration) -> Result<()> {
         let nanos = u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX);
@@ -251,6 +338,22 @@ impl Kernels {
             .map(drop)
         })
     }
+}
+
+/// Checks that `u32` elements `[first, first + count)` lie inside `buffer`.
+fn pattern_range(buffer: &dyn DeviceBuffer, first: usize, count: usize) -> Result<()> {
+    let needed = first
+        .checked_add(count)
+        .and_then(|end| end.checked_mul(U32))
+        .ok_or_else(|| Error::InvalidShape(format!("pattern range {first} + {count} overflows")))?;
+    if buffer.byte_len() < needed {
+        return Err(Error::BufferTooSmall {
+            what: "pattern range",
+            needed,
+            available: buffer.byte_len(),
+        });
+    }
+    Ok(())
 }
 
 fn grid_stride(elements: u64) -> LaunchConfig {

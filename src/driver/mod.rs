@@ -11,6 +11,7 @@ pub(crate) mod graph;
 pub(crate) mod host;
 pub(crate) mod interop;
 pub mod kernels;
+pub mod linear;
 pub(crate) mod share;
 pub mod vmm;
 

@@ -1,0 +1,110 @@
+//! Plain `cuMemAlloc` memory: what `cudaMalloc` gives. stablebuf does not need it; examples and
+//! benches use it as the baseline that elastic memory is measured against.
+
+use std::sync::Arc;
+
+use cudarc::driver::{sys, CudaContext, CudaStream};
+
+use super::kernels::DeviceBuffer;
+use super::{bind_context, traced_raw};
+use crate::error::{Error, Result};
+
+/// Device memory from `cuMemAlloc`, freed with `cuMemFree` on drop (which, like `cudaFree`,
+/// waits for the device before it returns the memory).
+#[derive(Debug)]
+pub struct LinearBuffer {
+    ctx: Arc<CudaContext>,
+    ptr: sys::CUdeviceptr,
+    bytes: usize,
+}
+
+impl LinearBuffer {
+    /// Allocates `bytes` (> 0) of device memory; [`Error::OutOfMemory`] if the device has too
+    /// little free.
+    pub fn new(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Self> {
+        if bytes == 0 {
+            return Err(Error::InvalidShape("a LinearBuffer of 0 bytes".into()));
+        }
+        bind_context(ctx)?;
+        let mut ptr: sys::CUdeviceptr = 0;
+        traced_raw("cuMemAlloc", bytes, || {
+            // SAFETY: `ptr` is a valid out-pointer for the duration of the call.
+            unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes) }
+        })?;
+        Ok(Self {
+            ctx: ctx.clone(),
+            ptr,
+            bytes,
+        })
+    }
+
+    pub fn ptr(&self) -> sys::CUdeviceptr {
+        self.ptr
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl DeviceBuffer for LinearBuffer {
+    fn device_address(&self) -> sys::CUdeviceptr {
+        self.ptr
+    }
+
+    fn byte_len(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl Drop for LinearBuffer {
+    fn drop(&mut self) {
+        let (ptr, bytes) = (self.ptr, self.bytes);
+        let freed = bind_context(&self.ctx).and_then(|()| {
+            traced_raw("cuMemFree", bytes, || {
+                // SAFETY: `ptr` came from cuMemAlloc and is freed once, here. cuMemFree waits
+                // for outstanding work on the device before releasing the memory.
+                unsafe { sys::cuMemFree_v2(ptr) }
+            })
+        });
+        if let Err(error) = freed {
+            tracing::error!(%error, ptr, bytes, "cuMemFree failed");
+        }
+    }
+}
+
+/// Enqueues a copy of `bytes` from `source` at `source_offset` to `target` at `target_offset`
+/// on `stream` (device to device). Both ranges are checked against the buffers' lengths first.
+pub fn copy_between(
+    stream: &Arc<CudaStream>,
+    target: &impl DeviceBuffer,
+    target_offset: usize,
+    source: &impl DeviceBuffer,
+    source_offset: usize,
+    bytes: usize,
+) -> Result<()> {
+    let fits = |buffer: &dyn DeviceBuffer, offset: usize, what: &'static str| {
+        let needed = offset
+            .checked_add(bytes)
+            .ok_or_else(|| Error::InvalidShape(format!("{what}: {offset} + {bytes} overflows")))?;
+        if needed > buffer.byte_len() {
+            return Err(Error::BufferTooSmall {
+                what,
+                needed,
+                available: buffer.byte_len(),
+            });
+        }
+        Ok(())
+    };
+    fits(target, target_offset, "copy target")?;
+    fits(source, source_offset, "copy source")?;
+    if bytes == 0 {
+        return Ok(());
+    }
+    super::copy_device(
+        stream,
+        source.device_address() + source_offset as u64,
+        target.device_address() + target_offset as u64,
+        bytes,
+    )
+}

@@ -1,0 +1,240 @@
+//! [`Block`]: memory at a fixed address that can grow and shrink in place.
+
+use std::sync::Arc;
+
+use cudarc::driver::{sys, CudaStream, DeviceRepr};
+
+use super::book::TenantId;
+use super::elastic::Shared;
+use super::events::BlockId;
+use super::state::BlockInfo;
+use crate::driver::{self, kernels::DeviceBuffer};
+use crate::error::{Error, Result};
+
+/// Device memory from an [`crate::ElasticPool`] at an address that never changes while the
+/// block lives. It may be made of several physical chunks (stitched); kernels see one
+/// contiguous range. Dropping it unmaps it after the tenant's fence and caches its chunks.
+pub struct Block {
+    shared: Arc<Shared>,
+    tenant: TenantId,
+    tenant_name: Arc<str>,
+    id: BlockId,
+    address: u64,
+    capacity: usize,
+    freed: bool,
+}
+
+impl std::fmt::Debug for Block {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Block")
+            .field("tenant", &self.tenant_name)
+            .field("address", &format_args!("{:#x}", self.address))
+            .field("info", &self.info().ok())
+            .finish()
+    }
+}
+
+impl Block {
+    pub(crate) fn new(
+        shared: Arc<Shared>,
+        tenant: TenantId,
+        tenant_name: Arc<str>,
+        id: BlockId,
+        address: u64,
+        capacity: usize,
+    ) -> Self {
+        Self {
+            shared,
+            tenant,
+            tenant_name,
+            id,
+            address,
+            capacity,
+            freed: false,
+        }
+    }
+
+    pub fn id(&self) -> BlockId {
+        self.id
+    }
+
+    /// The device address; the same for the block's whole life, through every grow and shrink.
+    pub fn address(&self) -> sys::CUdeviceptr {
+        self.address
+    }
+
+    /// Bytes of addresses reserved: the most the block can grow to.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Length, mapped bytes and mapping count, or [`Error::TenantGone`].
+    pub fn info(&self) -> Result<BlockInfo> {
+        self.shared
+            .lock()
+            .info(self.tenant, self.id)
+            .map_err(|_| self.gone())
+    }
+
+    /// Usable bytes; 0 once the tenant is gone.
+    pub fn len(&self) -> usize {
+        self.info().map_or(0, |info| info.len)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn gone(&self) -> Error {
+        Error::TenantGone {
+            tenant: self.tenant_name.to_string(),
+        }
+    }
+
+    fn map_gone(&self, error: Error) -> Error {
+        match error {
+            Error::TenantGone { .. } => self.gone(),
+            other => other,
+        }
+    }
+
+    /// Grows the block to `new_len` bytes in place: maps more physical memory after what is
+    /// mapped (cached chunks first). The address and the existing contents do not change and
+    /// nothing is copied.
+    pub fn grow(&mut self, new_len: usize) -> Result<()> {
+        let mut state = self.shared.lock();
+        state
+            .grow(self.tenant, self.id, new_len)
+            .map_err(|e| self.map_gone(e))
+    }
+
+    /// Shrinks the block to `new_len` bytes: whole chunks past it are unmapped (after the fence)
+    /// and go back to the pool's cache. The first `new_len` bytes keep their contents.
+    pub fn shrink(&mut self, new_len: usize) -> Result<()> {
+        let mut state = self.shared.lock();
+        state
+            .shrink(self.tenant, self.id, new_len)
+            .map_err(|e| self.map_gone(e))
+    }
+
+    /// [`Block::grow`] or [`Block::shrink`], whichever `new_len` asks for.
+    pub fn resize(&mut self, new_len: usize) -> Result<()> {
+        if new_len >= self.len() {
+            self.grow(new_len)
+        } else {
+            self.shrink(new_len)
+        }
+    }
+
+    /// Copies `data` to the block at `offset` bytes and waits for the copy.
+    pub fn write<T: DeviceRepr>(
+        &self,
+        stream: &Arc<CudaStream>,
+        offset: usize,
+        data: &[T],
+    ) -> Result<()> {
+        let bytes = std::mem::size_of_val(data);
+        let mut state = self.shared.lock();
+        let info = state.info(self.tenant, self.id).map_err(|_| self.gone())?;
+        check_range(info.len, offset, bytes)?;
+        state.attach(self.tenant, stream)?;
+        if bytes == 0 {
+            return Ok(());
+        }
+        // The lock is held until the copy is done, so the range cannot be unmapped under it.
+        driver::host::copy_to_device(
+            stream,
+            self.address + offset as u64,
+            data.as_ptr().cast(),
+            bytes,
+        )?;
+        driver::synchronize_stream(stream)
+    }
+
+    /// Copies `out.len()` elements from the block at `offset` bytes into `out` (blocking).
+    pub fn read_into<T: DeviceRepr>(
+        &self,
+        stream: &Arc<CudaStream>,
+        offset: usize,
+        out: &mut [T],
+    ) -> Result<()> {
+        let bytes = std::mem::size_of_val(out);
+        let mut state = self.shared.lock();
+        let info = state.info(self.tenant, self.id).map_err(|_| self.gone())?;
+        check_range(info.len, offset, bytes)?;
+        state.attach(self.tenant, stream)?;
+        if bytes == 0 {
+            return Ok(());
+        }
+        driver::host::copy_to_host(
+            stream,
+            out.as_mut_ptr().cast(),
+            self.address + offset as u64,
+            bytes,
+        )?;
+        driver::synchronize_stream(stream)
+    }
+
+    /// `count` elements from `offset` bytes, as a new vector.
+    pub fn read<T: DeviceRepr + Default + Clone>(
+        &self,
+        stream: &Arc<CudaStream>,
+        offset: usize,
+        count: usize,
+    ) -> Result<Vec<T>> {
+        let mut out = vec![T::default(); count];
+        self.read_into(stream, offset, &mut out)?;
+        Ok(out)
+    }
+
+    /// Frees the block now, reporting a failed fence (the memory is then leaked, not unmapped
+    /// under running work). Dropping a block does the same and logs the error.
+    pub fn free(mut self) -> Result<()> {
+        self.freed = true;
+        self.free_inner()
+    }
+
+    fn free_inner(&self) -> Result<()> {
+        match self.shared.lock().free(self.tenant, self.id) {
+            Err(Error::TenantGone { .. }) => Ok(()), // the tenant already freed everything
+            other => other,
+        }
+    }
+}
+
+fn check_range(len: usize, offset: usize, bytes: usize) -> Result<()> {
+    let needed = offset
+        .checked_add(bytes)
+        .ok_or_else(|| Error::InvalidShape(format!("offset {offset} + {bytes} overflows")))?;
+    if needed > len {
+        return Err(Error::BufferTooSmall {
+            what: "block copy",
+            needed,
+            available: len,
+        });
+    }
+    Ok(())
+}
+
+impl DeviceBuffer for Block {
+    fn device_address(&self) -> sys::CUdeviceptr {
+        self.address
+    }
+
+    /// The current length: 0 once the tenant is gone, so kernel launchers refuse the block
+    /// instead of touching unmapped memory.
+    fn byte_len(&self) -> usize {
+        self.len()
+    }
+}
+
+impl Drop for Block {
+    fn drop(&mut self) {
+        if self.freed {
+            return;
+        }
+        if let Err(error) = self.free_inner() {
+            tracing::error!(%error, address = self.address, "freeing a block failed");
+        }
+    }
+}

@@ -1,0 +1,277 @@
+//! The public handles: [`ElasticPool`] (shared, cloneable) and [`Tenant`].
+
+use std::path::Path;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use cudarc::driver::{CudaContext, CudaStream};
+
+use super::block::Block;
+use super::book::TenantId;
+use super::events::Event;
+use super::state::{State, Switches};
+use super::stats::{PoolStats, TenantStats};
+use super::timeline;
+use crate::driver::vmm::granularity;
+use crate::error::Result;
+use crate::fence::FencePolicy;
+
+/// Options for [`ElasticPool::new`].
+#[derive(Clone, Debug)]
+pub struct PoolOptions {
+    /// Global limit on physical memory (mapped plus cached), shared by all tenants.
+    pub budget: Option<usize>,
+    /// Serve requests by laying several cached chunks side by side (default on).
+    pub stitching: bool,
+    /// On `cuMemCreate` out of memory, release the cache and retry once (default on).
+    pub drain_on_oom: bool,
+    /// How to wait for the GPU before unmapping (default: the whole context).
+    pub fence: FencePolicy,
+    /// How many recent events the log keeps (default 65,536; 0 turns it off).
+    pub event_capacity: usize,
+}
+
+impl Default for PoolOptions {
+    fn default() -> Self {
+        Self {
+            budget: None,
+            stitching: true,
+            drain_on_oom: true,
+            fence: FencePolicy::Context,
+            event_capacity: 1 << 16,
+        }
+    }
+}
+
+impl PoolOptions {
+    pub fn budget(mut self, bytes: usize) -> Self {
+        self.budget = Some(bytes);
+        self
+    }
+
+    pub fn stitching(mut self, on: bool) -> Self {
+        self.stitching = on;
+        self
+    }
+
+    pub fn drain_on_oom(mut self, on: bool) -> Self {
+        self.drain_on_oom = on;
+        self
+    }
+
+    pub fn fence(mut self, policy: FencePolicy) -> Self {
+        self.fence = policy;
+        self
+    }
+
+    pub fn event_capacity(mut self, events: usize) -> Self {
+        self.event_capacity = events;
+        self
+    }
+}
+
+pub(crate) struct Shared {
+    pub ctx: Arc<CudaContext>,
+    pub granularity: usize,
+    state: Mutex<State>,
+}
+
+impl Shared {
+    /// The state; a panic in another thread while it held the lock leaves the books as they
+    /// were after its last completed step, so the lock is taken anyway rather than panicking.
+    pub fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// A pool of physical device memory shared by tenants. Cloning gives another handle to the
+/// same pool. See the [module docs](crate::pool).
+#[derive(Clone)]
+pub struct ElasticPool {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for ElasticPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ElasticPool")
+            .field("granularity", &self.shared.granularity)
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+impl ElasticPool {
+    pub fn new(ctx: &Arc<CudaContext>, options: PoolOptions) -> Result<Self> {
+        let granularity = granularity(ctx, false)?;
+        let state = State::new(
+            ctx,
+            granularity,
+            options.budget,
+            Switches {
+                stitching: options.stitching,
+                drain_on_oom: options.drain_on_oom,
+            },
+            options.fence,
+            options.event_capacity,
+        );
+        Ok(Self {
+            shared: Arc::new(Shared {
+                ctx: ctx.clone(),
+                granularity,
+                state: Mutex::new(state),
+            }),
+        })
+    }
+
+    /// Registers a tenant with `virtual_capacity` bytes of addresses of its own (rounded up to
+    /// the granularity). Its blocks live in that range; its physical memory comes from the pool.
+    pub fn register(&self, name: &str, virtual_capacity: usize) -> Result<Tenant> {
+        self.register_limited(name, virtual_capacity, None)
+    }
+
+    /// [`ElasticPool::register`] with a physical limit for this tenant alone, inside the pool's
+    /// budget.
+    pub fn register_limited(
+        &self,
+        name: &str,
+        virtual_capacity: usize,
+        physical_limit: Option<usize>,
+    ) -> Result<Tenant> {
+        let id = self
+            .shared
+            .lock()
+            .register(name, virtual_capacity, physical_limit)?;
+        Ok(Tenant {
+            shared: self.shared.clone(),
+            id,
+            name: Arc::from(name),
+            unregistered: false,
+        })
+    }
+
+    pub fn granularity(&self) -> usize {
+        self.shared.granularity
+    }
+
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.shared.ctx
+    }
+
+    pub fn stats(&self) -> PoolStats {
+        self.shared.lock().stats()
+    }
+
+    pub fn tenant_stats(&self) -> Vec<TenantStats> {
+        self.shared.lock().all_tenant_stats()
+    }
+
+    /// Releases every cached chunk to the driver; returns the bytes released.
+    pub fn drain(&self) -> usize {
+        self.shared.lock().drain()
+    }
+
+    pub fn set_stitching(&self, on: bool) {
+        self.shared.lock().switches.stitching = on;
+    }
+
+    pub fn set_drain_on_oom(&self, on: bool) {
+        self.shared.lock().switches.drain_on_oom = on;
+    }
+
+    /// The logged events, oldest first.
+    pub fn events(&self) -> Vec<Event> {
+        self.shared.lock().events.events().cloned().collect()
+    }
+
+    /// How many events the log dropped because it was full.
+    pub fn dropped_events(&self) -> u64 {
+        self.shared.lock().events.dropped()
+    }
+
+    /// The logged events as an SVG timeline of the address space (see [`timeline`]).
+    pub fn timeline_svg(&self, title: &str) -> Result<String> {
+        timeline::render_svg(&self.events(), title)
+    }
+
+    /// [`ElasticPool::timeline_svg`] written to `path`.
+    pub fn write_timeline(&self, title: &str, path: impl AsRef<Path>) -> Result<()> {
+        timeline::write_svg(&self.events(), title, path)
+    }
+}
+
+/// A user of an [`ElasticPool`]: its own virtual address range, statistics and optional limit.
+/// Dropping it (or [`Tenant::unregister`]) frees everything it holds: its blocks are unmapped
+/// after the fence, their chunks return to the pool's cache, and its addresses are freed.
+/// Blocks that outlive it report [`crate::Error::TenantGone`].
+pub struct Tenant {
+    shared: Arc<Shared>,
+    id: TenantId,
+    name: Arc<str>,
+    unregistered: bool,
+}
+
+impl std::fmt::Debug for Tenant {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tenant")
+            .field("id", &self.id)
+            .field("name", &self.name)
+            .finish()
+    }
+}
+
+impl Tenant {
+    pub fn id(&self) -> TenantId {
+        self.id
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// A block of `bytes` at an address that stays fixed for its life.
+    pub fn alloc(&self, bytes: usize) -> Result<Block> {
+        self.alloc_growable(bytes, bytes)
+    }
+
+    /// A block of `len` bytes that reserves `max_len` bytes of addresses, so it can grow to
+    /// `max_len` in place: [`Block::grow`] maps more memory behind it and never copies.
+    pub fn alloc_growable(&self, len: usize, max_len: usize) -> Result<Block> {
+        let (id, address, capacity) = self.shared.lock().alloc(self.id, len, max_len)?;
+        Ok(Block::new(
+            self.shared.clone(),
+            self.id,
+            self.name.clone(),
+            id,
+            address,
+            capacity,
+        ))
+    }
+
+    /// Remembers that `stream` uses this tenant's memory (needed with
+    /// [`FencePolicy::AttachedStreams`]).
+    pub fn attach(&self, stream: &Arc<CudaStream>) -> Result<()> {
+        self.shared.lock().attach(self.id, stream)
+    }
+
+    pub fn stats(&self) -> Result<TenantStats> {
+        self.shared.lock().tenant_stats(self.id)
+    }
+
+    /// Frees everything the tenant holds and its addresses. If waiting for the GPU fails, the
+    /// tenant's mappings are leaked rather than unmapped under running work, and the error is
+    /// returned.
+    pub fn unregister(mut self) -> Result<()> {
+        self.unregistered = true;
+        self.shared.lock().unregister(self.id)
+    }
+}
+
+impl Drop for Tenant {
+    fn drop(&mut self) {
+        if self.unregistered {
+            return;
+        }
+        if let Err(error) = self.shared.lock().unregister(self.id) {
+            tracing::error!(%error, tenant = %self.name, "unregistering a tenant failed");
+        }
+    }
+}
