@@ -134,21 +134,9 @@ impl Block {
         data: &[T],
     ) -> Result<()> {
         let bytes = std::mem::size_of_val(data);
-        let mut state = self.shared.lock();
-        let info = state.info(self.tenant, self.id).map_err(|_| self.gone())?;
-        check_range(info.len, offset, bytes)?;
-        state.attach(self.tenant, stream)?;
-        if bytes == 0 {
-            return Ok(());
-        }
-        // The lock is held until the copy is done, so the range cannot be unmapped under it.
-        driver::host::copy_to_device(
-            stream,
-            self.address + offset as u64,
-            data.as_ptr().cast(),
-            bytes,
-        )?;
-        driver::synchronize_stream(stream)
+        self.copy(stream, offset, bytes, |device| {
+            driver::host::copy_to_device(stream, device, data.as_ptr().cast(), bytes)
+        })
     }
 
     /// Copies `out.len()` elements from the block at `offset` bytes into `out` (blocking).
@@ -159,6 +147,21 @@ impl Block {
         out: &mut [T],
     ) -> Result<()> {
         let bytes = std::mem::size_of_val(out);
+        self.copy(stream, offset, bytes, |device| {
+            driver::host::copy_to_host(stream, out.as_mut_ptr().cast(), device, bytes)
+        })
+    }
+
+    /// Checks `[offset, offset + bytes)` against the block, enqueues `enqueue(device address)`
+    /// and waits for it. The lock is held until the copy is done, so the range cannot be
+    /// unmapped under it.
+    fn copy(
+        &self,
+        stream: &Arc<CudaStream>,
+        offset: usize,
+        bytes: usize,
+        enqueue: impl FnOnce(sys::CUdeviceptr) -> Result<()>,
+    ) -> Result<()> {
         let mut state = self.shared.lock();
         let info = state.info(self.tenant, self.id).map_err(|_| self.gone())?;
         check_range(info.len, offset, bytes)?;
@@ -166,12 +169,7 @@ impl Block {
         if bytes == 0 {
             return Ok(());
         }
-        driver::host::copy_to_host(
-            stream,
-            out.as_mut_ptr().cast(),
-            self.address + offset as u64,
-            bytes,
-        )?;
+        enqueue(self.address + offset as u64)?;
         driver::synchronize_stream(stream)
     }
 
