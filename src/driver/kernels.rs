@@ -340,20 +340,40 @@ impl Kernels {
     }
 }
 
-/// Checks that `u32` elements `[first, first + count)` lie inside `buffer`.
-fn pattern_range(buffer: &dyn DeviceBuffer, first: usize, count: usize) -> Result<()> {
-    let needed = first
-        .checked_add(count)
-        .and_then(|end| end.checked_mul(U32))
-        .ok_or_else(|| Error::InvalidShape(format!("pattern range {first} + {count} overflows")))?;
-    if buffer.byte_len() < needed {
+/// `Err(BufferTooSmall)` unless `[offset, offset + bytes)` lies within `available` bytes;
+/// `Err(InvalidShape)` if the end overflows. The one range check of launchers and copies.
+pub(crate) fn require_range(
+    what: &'static str,
+    available: usize,
+    offset: usize,
+    bytes: usize,
+) -> Result<()> {
+    let needed = offset
+        .checked_add(bytes)
+        .ok_or_else(|| Error::InvalidShape(format!("{what}: {offset} + {bytes} overflows")))?;
+    if needed > available {
         return Err(Error::BufferTooSmall {
-            what: "pattern range",
+            what,
             needed,
-            available: buffer.byte_len(),
+            available,
         });
     }
     Ok(())
+}
+
+/// Checks that `u32` elements `[first, first + count)` lie inside `buffer`.
+fn pattern_range(buffer: &dyn DeviceBuffer, first: usize, count: usize) -> Result<()> {
+    let bytes = |elements: usize| {
+        elements.checked_mul(U32).ok_or_else(|| {
+            Error::InvalidShape(format!("pattern range {first} + {count} overflows"))
+        })
+    };
+    require_range(
+        "pattern range",
+        buffer.byte_len(),
+        bytes(first)?,
+        bytes(count)?,
+    )
 }
 
 fn grid_stride(elements: u64) -> LaunchConfig {

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaContext, CudaStream};
 
-use super::kernels::DeviceBuffer;
+use super::kernels::{require_range, DeviceBuffer};
 use super::{bind_context, traced_raw};
 use crate::error::{Error, Result};
 
@@ -83,21 +83,8 @@ pub fn copy_between(
     source_offset: usize,
     bytes: usize,
 ) -> Result<()> {
-    let fits = |buffer: &dyn DeviceBuffer, offset: usize, what: &'static str| {
-        let needed = offset
-            .checked_add(bytes)
-            .ok_or_else(|| Error::InvalidShape(format!("{what}: {offset} + {bytes} overflows")))?;
-        if needed > buffer.byte_len() {
-            return Err(Error::BufferTooSmall {
-                what,
-                needed,
-                available: buffer.byte_len(),
-            });
-        }
-        Ok(())
-    };
-    fits(target, target_offset, "copy target")?;
-    fits(source, source_offset, "copy source")?;
+    require_range("copy target", target.byte_len(), target_offset, bytes)?;
+    require_range("copy source", source.byte_len(), source_offset, bytes)?;
     if bytes == 0 {
         return Ok(());
     }

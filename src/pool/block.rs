@@ -8,7 +8,8 @@ use super::book::TenantId;
 use super::elastic::Shared;
 use super::events::BlockId;
 use super::state::BlockInfo;
-use crate::driver::{self, kernels::DeviceBuffer};
+use crate::driver;
+use crate::driver::kernels::{require_range, DeviceBuffer};
 use crate::error::{Error, Result};
 
 /// Device memory from an [`crate::ElasticPool`] at an address that never changes while the
@@ -164,7 +165,7 @@ impl Block {
     ) -> Result<()> {
         let mut state = self.shared.lock();
         let info = state.info(self.tenant, self.id).map_err(|_| self.gone())?;
-        check_range(info.len, offset, bytes)?;
+        require_range("block copy", info.len, offset, bytes)?;
         state.attach(self.tenant, stream)?;
         if bytes == 0 {
             return Ok(());
@@ -198,20 +199,6 @@ impl Block {
             other => other,
         }
     }
-}
-
-fn check_range(len: usize, offset: usize, bytes: usize) -> Result<()> {
-    let needed = offset
-        .checked_add(bytes)
-        .ok_or_else(|| Error::InvalidShape(format!("offset {offset} + {bytes} overflows")))?;
-    if needed > len {
-        return Err(Error::BufferTooSmall {
-            what: "block copy",
-            needed,
-            available: len,
-        });
-    }
-    Ok(())
 }
 
 impl DeviceBuffer for Block {
