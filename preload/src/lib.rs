@@ -1,0 +1,1 @@
+//! Placeholder: the preload layer is being written.

@@ -1,0 +1,1 @@
+//! Placeholder: the Python extension is being written.
