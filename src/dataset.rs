@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex, Weak};
 use cudarc::driver::{CudaContext, CudaStream, DeviceRepr};
 
 use crate::driver;
-use crate::driver::vmm::{self, Mapping, Physical, Reservation};
+use crate::driver::vmm::{Mapping, Physical};
 use crate::error::{Error, Result};
 use crate::fence::{Fence, FencePolicy};
 use crate::layout::{Layout, Placement, Role};
@@ -102,7 +102,7 @@ impl Dataset {
     ) -> Result<Self> {
         let region = &placement.groups[group_index];
         let shareable = physical.shareable();
-        let home = map_home(ctx, Arc::new(physical), access)?;
+        let home = Mapping::alone(ctx, &Arc::new(physical), access)?;
         let slots = region
             .slots
             .iter()
@@ -284,7 +284,7 @@ impl Dataset {
         let mut home = None;
         let report = offload::timed(id, bytes, "restore", || {
             let mapped = match Physical::new(&self.ctx, bytes, self.shareable)
-                .and_then(|physical| map_home(&self.ctx, Arc::new(physical), &self.access))
+                .and_then(|physical| Mapping::alone(&self.ctx, &Arc::new(physical), &self.access))
             {
                 Err(Error::OutOfMemory { .. }) => {
                     let free = driver::memory_info(&self.ctx)
@@ -431,11 +431,4 @@ impl Drop for Dataset {
         // `residency` drops next: unmap, then release (unless a space still maps it), then
         // free; or, if offloaded, the host copy goes back to its arena.
     }
-}
-
-/// `physical` mapped at a fresh reservation of its own.
-fn map_home(ctx: &Arc<CudaContext>, physical: Arc<Physical>, access: &[usize]) -> Result<Mapping> {
-    let bytes = physical.bytes();
-    let reservation = Arc::new(Reservation::new(ctx, bytes, vmm::granularity(ctx, false)?)?);
-    Mapping::new(&reservation, 0, &physical, 0, bytes, access)
 }

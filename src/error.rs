@@ -48,6 +48,18 @@ pub enum Error {
     #[error("the space is asleep: its scratch memory is released")]
     Asleep,
 
+    /// The region is asleep: its physical memory is released. Wake it first.
+    #[error("region `{tag}` is asleep: wake it first")]
+    RegionAsleep { tag: String },
+
+    /// No allocation of the region starts at this address.
+    #[error("no allocation starts at {address:#x}")]
+    UnknownAllocation { address: u64 },
+
+    /// A snapshot cannot be bound into this region.
+    #[error("region `{tag}`: {reason}")]
+    SnapshotMismatch { tag: String, reason: String },
+
     /// A socket call failed.
     #[error("{call}: {source}")]
     Io {

@@ -77,6 +77,7 @@ pub mod layout;
 mod offload;
 mod pipeline;
 pub mod pool;
+pub mod region;
 pub mod share;
 mod space;
 mod strategy;

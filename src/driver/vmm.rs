@@ -237,6 +237,17 @@ impl Mapping {
         Ok(mapping)
     }
 
+    /// `physical` mapped whole at a fresh reservation of its own: a private address for it.
+    pub fn alone(
+        ctx: &Arc<CudaContext>,
+        physical: &Arc<Physical>,
+        access_devices: &[usize],
+    ) -> Result<Self> {
+        let bytes = physical.bytes();
+        let reservation = Arc::new(Reservation::new(ctx, bytes, granularity(ctx, false)?)?);
+        Self::new(&reservation, 0, physical, 0, bytes, access_devices)
+    }
+
     fn set_access(&self, devices: &[usize]) -> Result<()> {
         let descriptors: Vec<sys::CUmemAccessDesc> = devices
             .iter()
