@@ -66,36 +66,42 @@
 //! [`Space`]/[`Dataset`] (binding) → [`StableGraph`] (capture, replay, update checks); and
 //! `driver` → [`pool`] (chunk and address books, then blocks and tenants over them).
 
-mod arena;
+#![deny(unsafe_code)]
+
+pub mod buffer;
 mod dataset;
+#[allow(unsafe_code)] // the one module that wraps the driver; see its docs
 mod driver;
 mod error;
 mod fence;
 mod graph;
+mod hash;
+mod host;
+mod ids;
 pub mod kernels;
 pub mod layout;
-mod offload;
 mod pipeline;
 pub mod pool;
 pub mod region;
 pub mod share;
+mod sleep;
 mod space;
 mod strategy;
 mod view;
 
-pub use arena::{chunk_plan, ArenaBook, HostArena, ARENA_ALIGN};
+pub use buffer::DeviceBuffer;
 pub use dataset::{Dataset, DatasetSlot, Refill};
-pub use driver::blas::{Blas, RECOMMENDED_WORKSPACE};
 pub use driver::{driver_present, memory_info, open_device};
 pub use error::{Error, Result};
 pub use fence::FencePolicy;
 pub use graph::{NodeKind, StableGraph, UpdateOutcome, UpdateReport, Work};
-pub use kernels::{DeviceBuffer, Kernels, MatmulKernel};
+pub use host::{HostArena, HostStorage, StorageUsed, TransferReport};
+pub use kernels::{Blas, Kernels, MatmulKernel, RECOMMENDED_WORKSPACE};
 pub use layout::{Layout, LayoutBuilder, Role};
-pub use offload::{offload_tagged, restore_tagged, HostStorage, StorageUsed, TransferReport};
 pub use pipeline::{Lane, Pipeline};
 pub use pool::{Block, ElasticPool, PoolOptions, PoolStats, Tenant, TenantStats};
 pub use share::{receive_dataset, send_ack, send_dataset, wait_ack};
+pub use sleep::{offload_tagged, restore_tagged};
 pub use space::{Slot, Space, SpaceOptions};
 pub use strategy::{BindStrategy, CostModel};
 pub use view::SlotView;
@@ -103,7 +109,6 @@ pub use view::SlotView;
 /// The raw VMM wrappers (reservation, physical memory, mapping), safe RAII types for callers
 /// that want to build their own layouts or measure the driver floor.
 pub mod vmm {
-    pub use crate::driver::linear::{copy_between, LinearBuffer};
     pub use crate::driver::vmm::{granularity, Mapping, Physical, Reservation};
 }
 

@@ -5,8 +5,8 @@ mod common;
 
 use common::{gpu, random_vec, rng, Gpu};
 use rand::Rng;
+use stablebuf::buffer::LinearBuffer;
 use stablebuf::pool::{DrainReason, EventKind};
-use stablebuf::vmm::LinearBuffer;
 use stablebuf::{memory_info, Block, ElasticPool, Error, PoolOptions};
 
 const MIB: usize = 1 << 20;

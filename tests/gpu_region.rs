@@ -6,9 +6,9 @@ mod common;
 
 use common::{gpu, rng, Gpu};
 use rand::Rng;
+use stablebuf::buffer::LinearBuffer;
 use stablebuf::cudarc::driver::sys::CUdeviceptr;
 use stablebuf::region::{Region, RegionOptions};
-use stablebuf::vmm::LinearBuffer;
 use stablebuf::{
     memory_info, DeviceBuffer, Error, HostArena, HostStorage, StableGraph, StorageUsed,
 };
@@ -201,7 +201,7 @@ fn a_graph_captured_once_replays_on_each_bound_snapshot() {
     let k = gpu.kernels.clone();
     let (xr, yr) = (Range { ptr: x, bytes }, Range { ptr: y, bytes });
     let mut graph = StableGraph::capture(&gpu.stream, &[], move |s| {
-        stablebuf::vmm::copy_between(s, &yr, 0, &xr, 0, xr.bytes)?;
+        stablebuf::buffer::copy_between(s, &yr, 0, &xr, 0, xr.bytes)?;
         k.affine(s, &yr, 2.0, 1.0)
     })
     .unwrap();

@@ -98,10 +98,12 @@ impl EventLog {
         self.events.iter()
     }
 
+    #[cfg(test)]
     pub fn len(&self) -> usize {
         self.events.len()
     }
 
+    #[cfg(test)]
     pub fn is_empty(&self) -> bool {
         self.events.is_empty()
     }
@@ -111,6 +113,7 @@ impl EventLog {
         self.dropped
     }
 
+    #[cfg(test)]
     pub fn clear(&mut self) {
         self.events.clear();
         self.dropped = 0;

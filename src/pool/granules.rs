@@ -30,6 +30,7 @@ impl GranuleMap {
         self.taken.len()
     }
 
+    #[cfg(test)]
     pub fn is_empty(&self) -> bool {
         self.taken.is_empty()
     }
@@ -43,6 +44,7 @@ impl GranuleMap {
     }
 
     /// Whether granule `index` is taken (false past the end).
+    #[cfg(test)]
     pub fn is_taken(&self, index: usize) -> bool {
         self.taken.get(index).is_some_and(|bit| *bit)
     }

@@ -42,9 +42,9 @@ use crate::driver;
 use crate::driver::vmm::{granularity, Reservation};
 use crate::error::Result;
 use crate::fence::{Fence, FencePolicy};
-use crate::offload::{HostStorage, TransferReport};
+use crate::host::{HostStorage, TransferReport};
+use crate::ids::next_id;
 use crate::pool::Event;
-use crate::space::next_id;
 
 pub use snapshot::Snapshot;
 use state::{Fixed, RegionState};
@@ -329,6 +329,7 @@ impl Region {
 }
 
 /// One SVG of several regions' events, one band per region (the pool's timeline renderer).
+#[cfg(feature = "timeline")]
 pub fn timeline_svg(regions: &[Region], title: &str) -> Result<String> {
     let mut events: Vec<Event> = regions.iter().flat_map(Region::events).collect();
     events.sort_by_key(|e| e.at);

@@ -16,9 +16,9 @@ use crate::driver;
 use crate::driver::vmm::{Mapping, Physical, Reservation};
 use crate::error::{Error, Result};
 use crate::fence::Fence;
-use crate::offload::{self, HostCopy, HostStorage, Piece, StorageUsed, TransferReport};
+use crate::host::{self, HostCopy, HostStorage, Piece, StorageUsed, TransferReport};
+use crate::ids::next_id;
 use crate::pool::{BlockId, ChunkId, Event, EventKind, EventLog, TenantId};
-use crate::space::next_id;
 
 /// What the consolidated span is backed by while awake and bound.
 #[derive(Debug)]
@@ -152,12 +152,7 @@ impl RegionState {
             .book
             .containing(offset)
             .ok_or(Error::UnknownAllocation { address })?;
-        crate::driver::kernels::require_range(
-            "region copy",
-            allocation.rounded,
-            offset - start,
-            bytes,
-        )
+        crate::buffer::require_range("region copy", allocation.rounded, offset - start, bytes)
     }
 
     pub fn alloc(&mut self, fixed: &Fixed, bytes: usize) -> Result<u64> {
@@ -264,7 +259,7 @@ impl RegionState {
                 bytes,
             })
             .collect();
-        let copy = offload::save_pieces(storage, stream, &pieces)?;
+        let copy = host::copy::save_pieces(storage, stream, &pieces)?;
         let used = copy.storage();
         let mut unmapped = Vec::new();
         if let Some(span) = self.span.take() {
@@ -315,7 +310,7 @@ impl RegionState {
                 .collect();
             restored = pieces.iter().map(|p| p.bytes).sum();
             // On failure `binding` drops here: unmapped at once, nothing used it yet.
-            offload::load_pieces(&sleeping.copy, stream, &pieces)?;
+            host::copy::load_pieces(&sleeping.copy, stream, &pieces)?;
             self.span = Some(binding);
             self.book.set_consolidated(span);
             self.log_map(fixed, 0, span, true);

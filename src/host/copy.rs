@@ -1,64 +1,15 @@
-//! Moving a dataset's bytes to host memory and back (the copies only; `Dataset::offload` and
-//! `Dataset::restore` handle binding, release and identity).
-//!
-//! | storage | offload / restore speed | host cost | use when |
-//! | --- | --- | --- | --- |
-//! | [`HostStorage::Pinned`] arena, dataset fits | PCIe speed (~50 GB/s on the H100 host), async | the arena, pinned once | the fast path: size the arena for what sleeps |
-//! | arena, dataset does not fit | close to PCIe speed: chunks stream through two staging regions, GPU copy of one chunk overlapping the host copy of the last | pageable memory of the dataset's size | datasets larger than the arena |
-//! | [`HostStorage::Pageable`] | measured on the H100 host: ~1.5 GB/s out (each offload writes freshly faulted pages), ~8 GB/s back | pageable memory, no pinning | rare sleeps, no arena |
-//! | [`HostStorage::Discard`] | nothing copied | none | data you can regenerate (weights on disk): restore leaves memory uninitialised or calls the dataset's refill |
+//! Copies between device ranges and one host copy: batched asynchronous copies and one wait,
+//! through the pinned arena when it has room, streamed through two staging regions of it when
+//! it does not.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use cudarc::driver::{sys, CudaStream};
 
-use crate::arena::{chunk_plan, ArenaRegion, HostArena, ARENA_ALIGN};
+use super::arena::{chunk_plan, ArenaRegion, HostArena, ARENA_ALIGN};
+use super::{HostStorage, StorageUsed};
 use crate::driver::{self, host};
 use crate::error::{Error, Result};
-
-/// Where an offloaded dataset's bytes go.
-#[derive(Clone, Debug)]
-pub enum HostStorage {
-    /// A pinned arena, allocated once and reused (see the module table).
-    Pinned(Arc<HostArena>),
-    /// Ordinary host memory, allocated per offload.
-    Pageable,
-    /// Nothing is kept; restore gives uninitialised memory, or runs the dataset's refill.
-    Discard,
-}
-
-/// Which path a transfer took.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum StorageUsed {
-    /// A region of the pinned arena.
-    Arena,
-    /// Pageable memory, streamed in chunks through the arena.
-    ArenaStaged,
-    /// Pageable memory, copied directly.
-    Pageable,
-    /// Not copied.
-    Discarded,
-}
-
-/// What one offload or restore did.
-#[derive(Clone, Debug)]
-pub struct TransferReport {
-    pub dataset: u64,
-    pub bytes: usize,
-    pub elapsed: Duration,
-    pub storage: StorageUsed,
-}
-
-impl TransferReport {
-    /// Decimal gigabytes per second (0 for discarded data).
-    pub fn gb_per_s(&self) -> f64 {
-        if self.storage == StorageUsed::Discarded || self.elapsed.is_zero() {
-            return 0.0;
-        }
-        self.bytes as f64 / self.elapsed.as_secs_f64() / 1e9
-    }
-}
 
 /// An offloaded dataset's bytes.
 #[derive(Debug)]
@@ -346,59 +297,4 @@ fn load_staged(
         })?);
     }
     driver::synchronize_stream(stream)
-}
-
-/// Times `f` and logs the transfer.
-pub(crate) fn timed(
-    dataset: u64,
-    bytes: usize,
-    what: &str,
-    f: impl FnOnce() -> Result<StorageUsed>,
-) -> Result<TransferReport> {
-    let start = Instant::now();
-    let storage = f()?;
-    let report = TransferReport {
-        dataset,
-        bytes,
-        elapsed: start.elapsed(),
-        storage,
-    };
-    tracing::info!(
-        dataset,
-        bytes,
-        gb_per_s = report.gb_per_s(),
-        ?storage,
-        "{what}"
-    );
-    Ok(report)
-}
-
-/// Offloads every dataset tagged `tag` (see [`Dataset::set_tag`]), one after the other: each copy
-/// already runs at full PCIe bandwidth, so copies in the same direction gain nothing from being
-/// overlapped. Stops at the first error; datasets offloaded before it stay offloaded.
-pub fn offload_tagged<'a>(
-    datasets: impl IntoIterator<Item = &'a mut crate::Dataset>,
-    tag: &str,
-    storage: &HostStorage,
-    stream: &Arc<CudaStream>,
-) -> Result<Vec<TransferReport>> {
-    datasets
-        .into_iter()
-        .filter(|d| d.tag() == Some(tag))
-        .map(|d| d.offload(storage, stream))
-        .collect()
-}
-
-/// Restores every dataset tagged `tag`. Stops at the first error (say, out of memory); those
-/// restored stay restored and the rest keep their host copies, so a retry continues.
-pub fn restore_tagged<'a>(
-    datasets: impl IntoIterator<Item = &'a mut crate::Dataset>,
-    tag: &str,
-    stream: &Arc<CudaStream>,
-) -> Result<Vec<TransferReport>> {
-    datasets
-        .into_iter()
-        .filter(|d| d.tag() == Some(tag))
-        .map(|d| d.restore(stream))
-        .collect()
 }
