@@ -99,11 +99,6 @@ impl EventLog {
     }
 
     #[cfg(test)]
-    pub fn len(&self) -> usize {
-        self.events.len()
-    }
-
-    #[cfg(test)]
     pub fn is_empty(&self) -> bool {
         self.events.is_empty()
     }
@@ -111,12 +106,6 @@ impl EventLog {
     /// How many events were dropped because the log was full.
     pub fn dropped(&self) -> u64 {
         self.dropped
-    }
-
-    #[cfg(test)]
-    pub fn clear(&mut self) {
-        self.events.clear();
-        self.dropped = 0;
     }
 }
 

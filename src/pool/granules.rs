@@ -30,11 +30,6 @@ impl GranuleMap {
         self.taken.len()
     }
 
-    #[cfg(test)]
-    pub fn is_empty(&self) -> bool {
-        self.taken.is_empty()
-    }
-
     pub fn taken(&self) -> usize {
         self.taken.count_ones()
     }

@@ -505,3 +505,53 @@ mod against_a_fake_driver {
         }
     }
 }
+
+mod grafting {
+    use crate::fence::FencePolicy;
+    use crate::pool::fake::{Call, Fake};
+    use crate::pool::state::{State, Switches};
+
+    const G: usize = 2 << 20;
+
+    #[test]
+    fn a_graft_moves_the_donors_chunks_and_backs_the_rest_from_the_cache() {
+        let fake = Fake::new(64 * G);
+        let switches = Switches {
+            stitching: true,
+            drain_on_oom: true,
+        };
+        let mut state = State::new(fake.clone(), G, None, switches, FencePolicy::Context, 256);
+        let tenant = state.register("t", 64 * G, None).unwrap();
+        // One chunk each; then a 1-granule chunk in the cache for the gap.
+        let (spare, _, _) = state.alloc(tenant, G, G).unwrap();
+        let (target, _, _) = state.alloc(tenant, 3 * G, 3 * G).unwrap();
+        let (donor, _, _) = state.alloc(tenant, 2 * G, 2 * G).unwrap();
+        state.free(tenant, spare).unwrap();
+        let creates = fake.calls(Call::Create);
+        let chunks_before = state.stats().chunks;
+        state.graft(tenant, target, donor).unwrap();
+        let info = state.info(tenant, target).unwrap();
+        assert_eq!((info.len, info.mapped, info.mappings), (3 * G, 3 * G, 2));
+        assert!(state.info(tenant, donor).is_err(), "the donor is gone");
+        assert_eq!(
+            fake.calls(Call::Create),
+            creates,
+            "the gap came from the cache"
+        );
+        assert_eq!(
+            state.stats().chunks,
+            chunks_before,
+            "nothing created or released"
+        );
+        assert_eq!(fake.live_mappings(), state.stats().mappings);
+        assert!(state.graft(tenant, target, target).is_err());
+        let (longer, _, _) = state.alloc(tenant, 4 * G, 4 * G).unwrap();
+        let before = state.stats();
+        assert!(
+            state.graft(tenant, target, longer).is_err(),
+            "donor longer than target"
+        );
+        assert_eq!(state.stats().mappings, before.mappings);
+        state.unregister(tenant).unwrap();
+    }
+}

@@ -169,11 +169,6 @@ impl<B: Backend> State<B> {
         &self.book
     }
 
-    #[cfg(test)]
-    pub(crate) fn backend(&self) -> &B {
-        &self.backend
-    }
-
     pub(super) fn tenant(&self, tenant: TenantId) -> Result<&TenantState<B>> {
         self.tenants.get(&tenant).ok_or_else(|| Error::TenantGone {
             tenant: format!("#{}", tenant.0),
