@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds the downstream compatibility crates on a machine with no CUDA toolkit and no GPU:
 #
-#   compat/candle  stablebuf + candle-core (feature `cuda`)  -> target/compat/release/stablebuf-candle-check
-#   compat/cubecl  stablebuf + cubecl-cuda                   -> target/compat/release/stablebuf-cubecl-check
+#   compat/candle  stablebuf + candle-core (feature `cuda`)  -> target/compat/bin/stablebuf-candle-check
+#   compat/cubecl  stablebuf + cubecl-cuda                   -> target/compat/bin/stablebuf-cubecl-check
 #
 #   compat/build.sh [candle|cubecl]...   (both when none is named)
 #
@@ -81,6 +81,8 @@ print(next(os.path.dirname(p["manifest_path"]) for p in meta["packages"] if p["n
 }
 
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$root/target/compat}
+# Not --locked: the committed lock files pin candle and cubecl, and stablebuf's own new
+# dependencies may be added to them.
 for crate in "${crates[@]}"; do
   start=$SECONDS
   manifest=compat/$crate/Cargo.toml
@@ -90,10 +92,13 @@ for crate in "${crates[@]}"; do
     # cudarc and cudaforge (candle-kernels) find nvcc, headers and libraries from CUDA_HOME and
     # PATH; no GPU here, so the architecture is named.
     CUDA_HOME=$cuda PATH=$cuda/bin:$PATH CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90} \
-      cargo build --release --locked --manifest-path "$manifest"
+      cargo build --release --manifest-path "$manifest"
   else
     # cubecl-cuda shares stablebuf's dynamically loaded cudarc: nothing to install.
-    cargo build --release --locked --manifest-path "$manifest"
+    cargo build --release --manifest-path "$manifest"
   fi
-  echo "compat $crate: built in $((SECONDS - start)) s -> ${CARGO_TARGET_DIR#"$root"/}/release/stablebuf-$crate-check"
+  # A stripped copy to carry to the GPU host (the candle one is ~40 MB: candle's kernels).
+  mkdir -p "$CARGO_TARGET_DIR/bin"
+  strip -o "$CARGO_TARGET_DIR/bin/stablebuf-$crate-check" "$CARGO_TARGET_DIR/release/stablebuf-$crate-check"
+  echo "compat $crate: built in $((SECONDS - start)) s -> ${CARGO_TARGET_DIR#"$root"/}/bin/stablebuf-$crate-check"
 done

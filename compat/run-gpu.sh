@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs a compat check binary built by compat/build.sh on a GPU host with no Rust toolchain:
 #
-#   compat/run-gpu.sh target/compat/release/stablebuf-candle-check
+#   compat/run-gpu.sh target/compat/bin/stablebuf-candle-check
 #
 # The candle binary is linked (candle forces it) against libcuda.so.1 from the driver and the
 # CUDA 13 libraries libcudart.so.13, libcublas.so.13, libcublasLt.so.13, libcurand.so.10 and
