@@ -164,23 +164,30 @@ mod nvrtc_ffi {
 
     type Program = *mut c_void;
 
+    type Version = unsafe extern "C" fn(*mut c_int, *mut c_int) -> c_int;
+    type Create = unsafe extern "C" fn(
+        *mut Program,
+        *const c_char,
+        *const c_char,
+        c_int,
+        *const *const c_char,
+        *const *const c_char,
+    ) -> c_int;
+    type Compile = unsafe extern "C" fn(Program, c_int, *const *const c_char) -> c_int;
+    type Size = unsafe extern "C" fn(Program, *mut usize) -> c_int;
+    type Read = unsafe extern "C" fn(Program, *mut c_char) -> c_int;
+    type Destroy = unsafe extern "C" fn(*mut Program) -> c_int;
+
     /// The NVRTC entry points the build uses; the library stays loaded for the process.
     pub struct Nvrtc {
-        version: unsafe extern "C" fn(*mut c_int, *mut c_int) -> c_int,
-        create: unsafe extern "C" fn(
-            *mut Program,
-            *const c_char,
-            *const c_char,
-            c_int,
-            *const *const c_char,
-            *const *const c_char,
-        ) -> c_int,
-        compile: unsafe extern "C" fn(Program, c_int, *const *const c_char) -> c_int,
-        ptx_size: unsafe extern "C" fn(Program, *mut usize) -> c_int,
-        ptx: unsafe extern "C" fn(Program, *mut c_char) -> c_int,
-        log_size: unsafe extern "C" fn(Program, *mut usize) -> c_int,
-        log: unsafe extern "C" fn(Program, *mut c_char) -> c_int,
-        destroy: unsafe extern "C" fn(*mut Program) -> c_int,
+        version: Version,
+        create: Create,
+        compile: Compile,
+        ptx_size: Size,
+        ptx: Read,
+        log_size: Size,
+        log: Read,
+        destroy: Destroy,
     }
 
     impl Nvrtc {
@@ -204,14 +211,22 @@ mod nvrtc_ffi {
             // (nvrtc.h) the field's type matches; nvrtcResult is a C enum (int).
             unsafe {
                 Some(Self {
-                    version: std::mem::transmute(symbol("nvrtcVersion")?),
-                    create: std::mem::transmute(symbol("nvrtcCreateProgram")?),
-                    compile: std::mem::transmute(symbol("nvrtcCompileProgram")?),
-                    ptx_size: std::mem::transmute(symbol("nvrtcGetPTXSize")?),
-                    ptx: std::mem::transmute(symbol("nvrtcGetPTX")?),
-                    log_size: std::mem::transmute(symbol("nvrtcGetProgramLogSize")?),
-                    log: std::mem::transmute(symbol("nvrtcGetProgramLog")?),
-                    destroy: std::mem::transmute(symbol("nvrtcDestroyProgram")?),
+                    version: std::mem::transmute::<*mut c_void, Version>(symbol("nvrtcVersion")?),
+                    create: std::mem::transmute::<*mut c_void, Create>(symbol(
+                        "nvrtcCreateProgram",
+                    )?),
+                    compile: std::mem::transmute::<*mut c_void, Compile>(symbol(
+                        "nvrtcCompileProgram",
+                    )?),
+                    ptx_size: std::mem::transmute::<*mut c_void, Size>(symbol("nvrtcGetPTXSize")?),
+                    ptx: std::mem::transmute::<*mut c_void, Read>(symbol("nvrtcGetPTX")?),
+                    log_size: std::mem::transmute::<*mut c_void, Size>(symbol(
+                        "nvrtcGetProgramLogSize",
+                    )?),
+                    log: std::mem::transmute::<*mut c_void, Read>(symbol("nvrtcGetProgramLog")?),
+                    destroy: std::mem::transmute::<*mut c_void, Destroy>(symbol(
+                        "nvrtcDestroyProgram",
+                    )?),
                 })
             }
         }
@@ -269,8 +284,8 @@ mod nvrtc_ffi {
         unsafe fn text(
             &self,
             program: Program,
-            size: unsafe extern "C" fn(Program, *mut usize) -> c_int,
-            read: unsafe extern "C" fn(Program, *mut c_char) -> c_int,
+            size: Size,
+            read: Read,
             call: &str,
         ) -> Result<String, String> {
             let mut len = 0usize;
