@@ -19,13 +19,36 @@ use cudarc::driver::{sys, CudaContext};
 use super::{bind_context, traced_raw};
 use crate::error::{Error, Result};
 
+/// Device `ordinal` as a memory location. C lays it out as `{ CUmemLocationType type; int id; }`
+/// in every CUDA version, but from 13.2 the bindings put `id` in an anonymous union, so it is
+/// written by offset: the same code then compiles with every binding version cudarc offers
+/// (a dependent may choose one, or let nvcc's version choose).
+fn device_location(ordinal: i32) -> sys::CUmemLocation {
+    const _: () = assert!(
+        std::mem::size_of::<sys::CUmemLocation>() == 8
+            && std::mem::offset_of!(sys::CUmemLocation, type_) == 0
+            && std::mem::size_of::<sys::CUmemLocationType>() == 4
+    );
+    // SAFETY: a plain C struct for which all-zero bytes are valid.
+    let mut location: sys::CUmemLocation = unsafe { std::mem::zeroed() };
+    location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    // SAFETY: the asserts above pin the layout: `id` is the 4-byte int at offset 4, inside the
+    // struct and aligned for i32.
+    unsafe {
+        std::ptr::addr_of_mut!(location)
+            .cast::<i32>()
+            .add(1)
+            .write(ordinal)
+    };
+    location
+}
+
 fn allocation_prop(ordinal: i32, shareable: bool) -> sys::CUmemAllocationProp {
     // SAFETY: CUmemAllocationProp is a plain C struct for which all-zero bytes are valid
     // (null pointer, zero enums and flags); cudarc gives it no Default.
     let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
     prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
-    prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
-    prop.location.id = ordinal;
+    prop.location = device_location(ordinal);
     if shareable {
         prop.requestedHandleTypes =
             sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
@@ -259,8 +282,7 @@ impl Mapping {
             .map(|&ordinal| {
                 // SAFETY: a plain C struct for which all-zero bytes are valid.
                 let mut desc: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
-                desc.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
-                desc.location.id = ordinal as i32;
+                desc.location = device_location(ordinal as i32);
                 desc.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
                 desc
             })
@@ -329,5 +351,22 @@ impl Drop for Mapping {
         if let Err(error) = unmapped {
             tracing::error!(%error, ptr, bytes, "unmapping failed");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // Bindings that still name the field: the offset write must land in `id`.
+    #[cfg(not(any(feature = "cuda-13020", feature = "cuda-13030", feature = "cuda-13040")))]
+    #[test]
+    fn device_location_writes_the_id_field() {
+        let location = device_location(7);
+        assert_eq!(location.id, 7);
+        assert_eq!(
+            location.type_,
+            sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE
+        );
     }
 }
