@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex, Weak};
 use cudarc::driver::{CudaContext, CudaStream, DeviceRepr};
 
 use crate::driver;
-use crate::driver::vmm::{Mapping, Physical};
+use crate::driver::vmm::{Location, Mapping, Physical};
 use crate::error::{Error, Result};
 use crate::fence::{Fence, FencePolicy};
 use crate::host::{self, HostCopy, HostStorage, StorageUsed, TransferReport};
@@ -53,6 +53,8 @@ pub struct Dataset {
     access: Vec<usize>,
     bytes: usize,
     shareable: bool,
+    /// Where the memory lives (also after a restore).
+    location: Location,
     tag: Option<String>,
     refill: Option<RefillFn>,
     /// Where the bytes are: mapped at the dataset's own address (owning the physical memory),
@@ -96,8 +98,9 @@ impl Dataset {
         group_index: usize,
         access: &[usize],
         shareable: bool,
+        at: Location,
     ) -> Result<Self> {
-        let physical = Physical::new(ctx, placement.groups[group_index].bytes, shareable)?;
+        let physical = Physical::new_at(ctx, placement.groups[group_index].bytes, shareable, at)?;
         Self::from_physical(ctx, layout, placement, group_index, access, physical)
     }
 
@@ -112,7 +115,7 @@ impl Dataset {
         physical: Physical,
     ) -> Result<Self> {
         let region = &placement.groups[group_index];
-        let shareable = physical.shareable();
+        let (shareable, location) = (physical.shareable(), physical.location());
         let home = Mapping::alone(ctx, &Arc::new(physical), access)?;
         let slots = region
             .slots
@@ -142,6 +145,7 @@ impl Dataset {
             access: access.to_vec(),
             bytes: region.bytes,
             shareable,
+            location,
             tag: None,
             refill: None,
             residency: Residency::Device(home),
@@ -197,6 +201,11 @@ impl Dataset {
     /// `SpaceOptions::shareable`; [`send_dataset`](crate::send_dataset) does this and sends it.
     pub fn export(&self) -> Result<std::os::fd::OwnedFd> {
         self.physical()?.export()
+    }
+
+    /// Where the memory lives while resident (the space's device, a peer, or pinned host).
+    pub fn location(&self) -> Location {
+        self.location
     }
 
     /// Whether the bytes are in device memory (not offloaded).
@@ -294,7 +303,7 @@ impl Dataset {
         };
         let mut home = None;
         let report = host::timed(id, bytes, "restore", || {
-            let mapped = match Physical::new(&self.ctx, bytes, self.shareable)
+            let mapped = match Physical::new_at(&self.ctx, bytes, self.shareable, self.location)
                 .and_then(|physical| Mapping::alone(&self.ctx, &Arc::new(physical), &self.access))
             {
                 Err(Error::OutOfMemory { .. }) => {

@@ -83,6 +83,14 @@ pub enum Error {
     #[error("the dataset is on another device (uuid {found:02x?}, this one {expected:02x?})")]
     DeviceMismatch { expected: [u8; 16], found: [u8; 16] },
 
+    /// An NCCL call failed. `code` is its `ncclResult_t`.
+    #[error("{call} failed with NCCL result {code}")]
+    Nccl { call: &'static str, code: i32 },
+
+    /// A library stablebuf loads at run time is not on the loader's path.
+    #[error("{library} could not be loaded: put it on LD_LIBRARY_PATH")]
+    LibraryMissing { library: &'static str },
+
     /// No CUDA driver (libcuda) could be loaded on this machine.
     #[error("no CUDA driver found: libcuda could not be loaded")]
     NoDriver,
@@ -122,6 +130,14 @@ pub enum Error {
         dataset_layout: u64,
         space_layout: u64,
     },
+
+    /// A device ordinal past the devices this process sees.
+    #[error("device {ordinal} does not exist ({count} CUDA devices)")]
+    NoSuchDevice { ordinal: usize, count: usize },
+
+    /// Kernels on device `from` cannot reach memory on device `to` (`cuDeviceCanAccessPeer`).
+    #[error("device {from} cannot access memory on device {to}")]
+    PeerAccess { from: usize, to: usize },
 
     /// A dataset or buffer belongs to another CUDA context (device).
     #[error("object belongs to CUDA device {found}, expected device {expected}")]

@@ -7,11 +7,14 @@
 //! it concerns, and a `debug` event with its duration and result.
 
 pub(crate) mod blas;
+pub(crate) mod device;
 pub(crate) mod graph;
 pub(crate) mod host;
 pub(crate) mod interop;
 pub(crate) mod launch;
 pub(crate) mod linear;
+#[cfg(feature = "nccl")]
+pub(crate) mod nccl;
 pub(crate) mod share;
 pub(crate) mod vmm;
 

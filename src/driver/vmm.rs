@@ -19,11 +19,47 @@ use cudarc::driver::{sys, CudaContext};
 use super::{bind_context, traced_raw};
 use crate::error::{Error, Result};
 
-/// Device `ordinal` as a memory location. C lays it out as `{ CUmemLocationType type; int id; }`
-/// in every CUDA version, but from 13.2 the bindings put `id` in an anonymous union, so it is
-/// written by offset: the same code then compiles with every binding version cudarc offers
-/// (a dependent may choose one, or let nvcc's version choose).
+/// Where physical memory lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Location {
+    /// On GPU `ordinal`.
+    Device(usize),
+    /// Pinned host memory (`CU_MEM_LOCATION_TYPE_HOST`, drivers ≥ 12.2 that support it): GPUs
+    /// read and write it over PCIe or NVLink-C2C without a copy.
+    Host,
+    /// Pinned host memory on NUMA node `node` (`CU_MEM_LOCATION_TYPE_HOST_NUMA`).
+    HostNuma(u32),
+}
+
+impl Location {
+    /// The device whose context allocates it, for device memory.
+    pub fn device(self) -> Option<usize> {
+        match self {
+            Location::Device(ordinal) => Some(ordinal),
+            Location::Host | Location::HostNuma(_) => None,
+        }
+    }
+
+    fn raw(self) -> sys::CUmemLocation {
+        use sys::CUmemLocationType as T;
+        match self {
+            Location::Device(ordinal) => location(T::CU_MEM_LOCATION_TYPE_DEVICE, ordinal as i32),
+            Location::Host => location(T::CU_MEM_LOCATION_TYPE_HOST, 0),
+            Location::HostNuma(node) => location(T::CU_MEM_LOCATION_TYPE_HOST_NUMA, node as i32),
+        }
+    }
+}
+
+/// Device `ordinal` as a memory location.
 fn device_location(ordinal: i32) -> sys::CUmemLocation {
+    location(sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, ordinal)
+}
+
+/// A memory location. C lays it out as `{ CUmemLocationType type; int id; }` in every CUDA
+/// version, but from 13.2 the bindings put `id` in an anonymous union, so it is written by
+/// offset: the same code then compiles with every binding version cudarc offers (a dependent may
+/// choose one, or let nvcc's version choose).
+fn location(kind: sys::CUmemLocationType, id: i32) -> sys::CUmemLocation {
     const _: () = assert!(
         std::mem::size_of::<sys::CUmemLocation>() == 8
             && std::mem::offset_of!(sys::CUmemLocation, type_) == 0
@@ -31,24 +67,24 @@ fn device_location(ordinal: i32) -> sys::CUmemLocation {
     );
     // SAFETY: a plain C struct for which all-zero bytes are valid.
     let mut location: sys::CUmemLocation = unsafe { std::mem::zeroed() };
-    location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    location.type_ = kind;
     // SAFETY: the asserts above pin the layout: `id` is the 4-byte int at offset 4, inside the
     // struct and aligned for i32.
     unsafe {
         std::ptr::addr_of_mut!(location)
             .cast::<i32>()
             .add(1)
-            .write(ordinal)
+            .write(id)
     };
     location
 }
 
-fn allocation_prop(ordinal: i32, shareable: bool) -> sys::CUmemAllocationProp {
+fn allocation_prop(at: Location, shareable: bool) -> sys::CUmemAllocationProp {
     // SAFETY: CUmemAllocationProp is a plain C struct for which all-zero bytes are valid
     // (null pointer, zero enums and flags); cudarc gives it no Default.
     let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
     prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
-    prop.location = device_location(ordinal);
+    prop.location = at.raw();
     if shareable {
         prop.requestedHandleTypes =
             sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
@@ -56,15 +92,16 @@ fn allocation_prop(ordinal: i32, shareable: bool) -> sys::CUmemAllocationProp {
     prop
 }
 
-fn ordinal_of(ctx: &CudaContext) -> i32 {
-    ctx.ordinal() as i32
-}
-
 /// The allocation granularity of `ctx`'s device: every size and offset of a mapping is a
 /// multiple of it (2 MiB on current NVIDIA GPUs).
 pub fn granularity(ctx: &CudaContext, shareable: bool) -> Result<usize> {
+    granularity_at(ctx, Location::Device(ctx.ordinal()), shareable)
+}
+
+/// The allocation granularity of memory at `at`, asked through `ctx`.
+pub fn granularity_at(ctx: &CudaContext, at: Location, shareable: bool) -> Result<usize> {
     bind_context(ctx)?;
-    let prop = allocation_prop(ordinal_of(ctx), shareable);
+    let prop = allocation_prop(at, shareable);
     let mut granularity = 0usize;
     traced_raw("cuMemGetAllocationGranularity", 0, || {
         // SAFETY: both pointers are valid for the duration of the call.
@@ -135,13 +172,26 @@ pub struct Physical {
     handle: sys::CUmemGenericAllocationHandle,
     bytes: usize,
     shareable: bool,
+    location: Location,
 }
 
 impl Physical {
     /// Allocates `bytes` (a multiple of the granularity) on `ctx`'s device.
     pub fn new(ctx: &Arc<CudaContext>, bytes: usize, shareable: bool) -> Result<Self> {
+        Self::new_at(ctx, bytes, shareable, Location::Device(ctx.ordinal()))
+    }
+
+    /// Allocates `bytes` (a multiple of the location's granularity) at `at`: this device, a
+    /// peer GPU, or pinned host memory. Mapped with access for a device, kernels there read and
+    /// write it in place.
+    pub fn new_at(
+        ctx: &Arc<CudaContext>,
+        bytes: usize,
+        shareable: bool,
+        at: Location,
+    ) -> Result<Self> {
         bind_context(ctx)?;
-        let prop = allocation_prop(ordinal_of(ctx), shareable);
+        let prop = allocation_prop(at, shareable);
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
         traced_raw("cuMemCreate", bytes, || {
             // SAFETY: valid out-pointer and property struct; flags must be 0.
@@ -152,7 +202,13 @@ impl Physical {
             handle,
             bytes,
             shareable,
+            location: at,
         })
+    }
+
+    /// Where the memory lives.
+    pub fn location(&self) -> Location {
+        self.location
     }
 
     pub fn bytes(&self) -> usize {
@@ -183,6 +239,7 @@ impl Physical {
             handle,
             bytes,
             shareable: true,
+            location: Location::Device(ctx.ordinal()),
         }
     }
 }
