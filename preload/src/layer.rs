@@ -366,6 +366,10 @@ impl Layer {
             ..StablebufStats::default()
         }
         .with_counters(&self.counters);
+        if in_child() {
+            // The parent's pool and log are not this process's: counters only, no locks.
+            return stats;
+        }
         if let Some(engine) = &self.engine {
             let view = engine.view();
             stats.live_allocations = view.live_allocations as u64;
