@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use common::{criterion, gpu, Recorder};
 use criterion::SamplingMode;
-use stablebuf::vmm::{copy_between, LinearBuffer};
+use stablebuf::buffer::{copy_between, LinearBuffer};
 use stablebuf::{memory_info, ElasticPool, PoolOptions};
 
 const MIB: usize = 1 << 20;

@@ -19,9 +19,9 @@ use std::time::Instant;
 
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
+use stablebuf::buffer::LinearBuffer;
 use stablebuf::cudarc::driver::{CudaContext, CudaStream};
 use stablebuf::pool::human_bytes;
-use stablebuf::vmm::LinearBuffer;
 use stablebuf::{memory_info, open_device, Block, ElasticPool, Kernels, PoolOptions, Result};
 
 const CHUNK: usize = 64 << 20;

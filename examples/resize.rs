@@ -13,9 +13,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use stablebuf::buffer::{copy_between, LinearBuffer};
 use stablebuf::cudarc::driver::CudaStream;
 use stablebuf::pool::human_bytes;
-use stablebuf::vmm::{copy_between, LinearBuffer};
 use stablebuf::{open_device, DeviceBuffer, ElasticPool, Error, Kernels, PoolOptions, Result};
 
 const MIB: usize = 1 << 20;

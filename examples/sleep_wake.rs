@@ -92,7 +92,7 @@ fn main() -> Result<()> {
     let (free_awake, _) = memory_info(&ctx)?;
     let start = Instant::now();
     let offloads = space.sleep(
-        &mut [&mut weights, &mut batch],
+        [&mut weights, &mut batch],
         &HostStorage::Pinned(arena.clone()),
         &stream,
     )?;
@@ -116,7 +116,7 @@ fn main() -> Result<()> {
     }
 
     let start = Instant::now();
-    let restores = space.wake(&mut [&mut weights, &mut batch], &stream)?;
+    let restores = space.wake([&mut weights, &mut batch], &stream)?;
     let wake_time = start.elapsed();
     println!("wake: {:.1} ms", wake_time.as_secs_f64() * 1e3);
     graph.replay()?;

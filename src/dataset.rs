@@ -17,12 +17,12 @@ use std::sync::{Arc, Mutex, Weak};
 use cudarc::driver::{CudaContext, CudaStream, DeviceRepr};
 
 use crate::driver;
-use crate::driver::vmm::{self, Mapping, Physical, Reservation};
+use crate::driver::vmm::{Mapping, Physical};
 use crate::error::{Error, Result};
 use crate::fence::{Fence, FencePolicy};
+use crate::host::{self, HostCopy, HostStorage, StorageUsed, TransferReport};
+use crate::ids::next_id;
 use crate::layout::{Layout, Placement, Role};
-use crate::offload::{self, HostCopy, HostStorage, StorageUsed, TransferReport};
-use crate::space::{next_id, unbind_everywhere, SpaceShared};
 use crate::view::{self, SlotView};
 
 /// One slot of a dataset, at an offset from the dataset's start.
@@ -48,7 +48,8 @@ pub struct Dataset {
     group_index: usize,
     slots: Vec<DatasetSlot>,
     fence: Mutex<Fence>,
-    bound_in: Mutex<Vec<Weak<SpaceShared>>>,
+    /// The spaces (or anything else) this dataset is bound in.
+    bound_in: Mutex<Vec<Weak<dyn Binder>>>,
     access: Vec<usize>,
     bytes: usize,
     shareable: bool,
@@ -57,6 +58,16 @@ pub struct Dataset {
     /// Where the bytes are: mapped at the dataset's own address (owning the physical memory),
     /// or on the host after an offload.
     residency: Residency,
+}
+
+/// Something a dataset can be bound in (a space). The binding layer implements it, so a dataset
+/// takes itself out of every binder before its memory goes without knowing what a space is.
+pub(crate) trait Binder: Send + Sync {
+    /// Unbinds dataset `dataset` (of group index `group`) if it is bound here, after the
+    /// binder's fence; returns whether it was.
+    fn unbind_dataset(&self, dataset: u64, group: usize) -> Result<bool>;
+    /// Binds `dataset` again (undoing an unbind when an offload fails).
+    fn bind_again(&self, dataset: &Dataset) -> Result<()>;
 }
 
 /// Regenerates a discarded dataset's contents on restore (say, reloads weights from disk).
@@ -102,7 +113,7 @@ impl Dataset {
     ) -> Result<Self> {
         let region = &placement.groups[group_index];
         let shareable = physical.shareable();
-        let home = map_home(ctx, Arc::new(physical), access)?;
+        let home = Mapping::alone(ctx, &Arc::new(physical), access)?;
         let slots = region
             .slots
             .iter()
@@ -234,7 +245,7 @@ impl Dataset {
         };
         let home_ptr = home.ptr();
         let mut copy = None;
-        let report = offload::timed(id, bytes, "offload", || {
+        let report = host::timed(id, bytes, "offload", || {
             // Nothing may still write the memory while it is copied out.
             let unbound_from = self.unbind_all()?;
             let saved = self
@@ -242,13 +253,13 @@ impl Dataset {
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .wait()
-                .and_then(|()| offload::save(storage, stream, home_ptr, bytes));
+                .and_then(|()| host::copy::save(storage, stream, home_ptr, bytes));
             let saved = match saved {
                 Ok(saved) => saved,
                 Err(error) => {
                     // Still on the device with its contents: put it back where it was bound.
-                    for space in &unbound_from {
-                        if let Err(rebind) = space.rebind(self) {
+                    for binder in &unbound_from {
+                        if let Err(rebind) = binder.bind_again(self) {
                             tracing::error!(%rebind, dataset = id, "could not rebind after a failed offload");
                         }
                     }
@@ -282,9 +293,9 @@ impl Dataset {
             });
         };
         let mut home = None;
-        let report = offload::timed(id, bytes, "restore", || {
+        let report = host::timed(id, bytes, "restore", || {
             let mapped = match Physical::new(&self.ctx, bytes, self.shareable)
-                .and_then(|physical| map_home(&self.ctx, Arc::new(physical), &self.access))
+                .and_then(|physical| Mapping::alone(&self.ctx, &Arc::new(physical), &self.access))
             {
                 Err(Error::OutOfMemory { .. }) => {
                     let free = driver::memory_info(&self.ctx)
@@ -298,7 +309,7 @@ impl Dataset {
                 }
                 other => other?,
             };
-            offload::load(copy, stream, mapped.ptr(), bytes)?;
+            host::copy::load(copy, stream, mapped.ptr(), bytes)?;
             let used = copy.storage();
             home = Some(mapped);
             Ok(used)
@@ -317,16 +328,18 @@ impl Dataset {
     }
 
     /// Unbinds this dataset from every space it is bound in (each after its fence); returns
-    /// those spaces.
-    fn unbind_all(&self) -> Result<Vec<Arc<SpaceShared>>> {
-        let spaces = self
+    /// those it was unbound from.
+    fn unbind_all(&self) -> Result<Vec<Arc<dyn Binder>>> {
+        let binders = self
             .bound_in
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone();
         let mut unbound = Vec::new();
-        for space in &spaces {
-            unbound.extend(unbind_everywhere(space, self.id, self.group_index)?);
+        for binder in binders.iter().filter_map(Weak::upgrade) {
+            if binder.unbind_dataset(self.id, self.group_index)? {
+                unbound.push(binder);
+            }
         }
         Ok(unbound)
     }
@@ -361,11 +374,13 @@ impl Dataset {
         Ok(self.home()?.physical())
     }
 
-    pub(crate) fn note_bound_in(&self, space: Weak<SpaceShared>) {
-        let mut spaces = self.bound_in.lock().unwrap_or_else(|p| p.into_inner());
-        spaces.retain(|s| s.strong_count() > 0);
-        if !spaces.iter().any(|s| s.ptr_eq(&space)) {
-            spaces.push(space);
+    /// Remembers that the dataset is bound in `binder`, so dropping or offloading it unbinds it
+    /// there first.
+    pub(crate) fn note_bound_in(&self, binder: Weak<dyn Binder>) {
+        let mut binders = self.bound_in.lock().unwrap_or_else(|p| p.into_inner());
+        binders.retain(|b| b.strong_count() > 0);
+        if !binders.iter().any(|b| b.ptr_eq(&binder)) {
+            binders.push(binder);
         }
     }
 
@@ -399,10 +414,8 @@ impl Dataset {
         name: &str,
         data: &[T],
     ) -> Result<()> {
-        let slot = self.slot(name)?;
-        view::require_host_len(name, slot.bytes, data)?;
-        let mut view = self.view::<T>(name, stream)?;
-        view::write(&mut view, name, data)
+        let bytes = self.slot(name)?.bytes;
+        view::write_slot(name, bytes, data, || self.view::<T>(name, stream))
     }
 
     /// Copies slot `name` to the host.
@@ -413,9 +426,9 @@ impl Dataset {
 
 impl Drop for Dataset {
     fn drop(&mut self) {
-        let spaces = std::mem::take(self.bound_in.get_mut().unwrap_or_else(|p| p.into_inner()));
-        for space in &spaces {
-            if let Err(error) = unbind_everywhere(space, self.id, self.group_index) {
+        let binders = std::mem::take(self.bound_in.get_mut().unwrap_or_else(|p| p.into_inner()));
+        for binder in binders.iter().filter_map(Weak::upgrade) {
+            if let Err(error) = binder.unbind_dataset(self.id, self.group_index) {
                 // The space keeps its mapping, and the mapping keeps the memory alive: nothing is
                 // freed under the GPU. It is released when that space unbinds or drops.
                 tracing::error!(%error, dataset = self.id, "could not unbind a dropped dataset");
@@ -431,11 +444,4 @@ impl Drop for Dataset {
         // `residency` drops next: unmap, then release (unless a space still maps it), then
         // free; or, if offloaded, the host copy goes back to its arena.
     }
-}
-
-/// `physical` mapped at a fresh reservation of its own.
-fn map_home(ctx: &Arc<CudaContext>, physical: Arc<Physical>, access: &[usize]) -> Result<Mapping> {
-    let bytes = physical.bytes();
-    let reservation = Arc::new(Reservation::new(ctx, bytes, vmm::granularity(ctx, false)?)?);
-    Mapping::new(&reservation, 0, &physical, 0, bytes, access)
 }

@@ -48,6 +48,18 @@ pub enum Error {
     #[error("the space is asleep: its scratch memory is released")]
     Asleep,
 
+    /// The region is asleep: its physical memory is released. Wake it first.
+    #[error("region `{tag}` is asleep: wake it first")]
+    RegionAsleep { tag: String },
+
+    /// No allocation of the region starts at this address.
+    #[error("no allocation starts at {address:#x}")]
+    UnknownAllocation { address: u64 },
+
+    /// A snapshot cannot be bound into this region.
+    #[error("region `{tag}`: {reason}")]
+    SnapshotMismatch { tag: String, reason: String },
+
     /// A socket call failed.
     #[error("{call}: {source}")]
     Io {
@@ -57,7 +69,7 @@ pub enum Error {
 
     /// A message from a peer process was malformed or unexpected.
     #[error("protocol: {0}")]
-    Protocol(#[from] crate::share::ProtocolError),
+    Protocol(#[from] ProtocolError),
 
     /// The peer refused what was sent, saying why.
     #[error("the peer rejected the dataset: {reason}")]
@@ -217,4 +229,30 @@ impl Error {
             Error::OutOfMemory { .. } | Error::PoolOutOfMemory { .. }
         )
     }
+}
+
+/// What is wrong with a message.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ProtocolError {
+    #[error("message truncated: needed {needed} bytes, got {got}")]
+    Truncated { needed: usize, got: usize },
+    #[error("not a stablebuf message (bad magic)")]
+    BadMagic,
+    #[error("protocol version {got}, this build speaks {supported}")]
+    Version { got: u16, supported: u16 },
+    #[error("unknown message kind {0}")]
+    UnknownKind(u8),
+    #[error("a string field is not UTF-8")]
+    BadUtf8,
+    #[error("message of {0} bytes is over the limit")]
+    TooLarge(usize),
+    #[error("an offer arrived without its file descriptor")]
+    MissingFd,
+    #[error("{count} file descriptors arrived where at most one was expected")]
+    UnexpectedFds { count: usize },
+    #[error("the peer closed the connection")]
+    Closed,
+    #[error("expected {expected}, got another message")]
+    Unexpected { expected: &'static str },
 }

@@ -11,13 +11,39 @@
 //!   `Space::attach`. That lets one space rebind while another space's replay runs (pipelining),
 //!   and makes attaching every stream that touches the space the caller's duty.
 
+use std::cell::Cell;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaStream};
 
 use crate::driver;
 use crate::error::{Error, Result};
-use crate::graph::capturing_on_this_thread;
+
+thread_local! {
+    static CAPTURE_DEPTH: Cell<u32> = const { Cell::new(0) };
+}
+
+/// Whether this thread is inside a stablebuf graph capture.
+pub(crate) fn capturing_on_this_thread() -> bool {
+    CAPTURE_DEPTH.with(|d| d.get() > 0)
+}
+
+/// Marks this thread as capturing while it lives (also if the captured work panics), so fences
+/// refuse to unmap memory a capture may be recording.
+pub(crate) struct CaptureGuard;
+
+impl CaptureGuard {
+    pub(crate) fn enter() -> Self {
+        CAPTURE_DEPTH.with(|d| d.set(d.get() + 1));
+        CaptureGuard
+    }
+}
+
+impl Drop for CaptureGuard {
+    fn drop(&mut self) {
+        CAPTURE_DEPTH.with(|d| d.set(d.get() - 1));
+    }
+}
 
 /// How a space (or dataset) waits for the GPU before unmapping memory. See the module docs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

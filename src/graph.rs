@@ -5,24 +5,15 @@
 //! it: [`StableGraph::check_update`]. Because slot addresses never change, a rebind leaves the
 //! captured parameters valid, and the check comes back `Success` with nothing to patch.
 
-use std::cell::Cell;
-use std::sync::{Arc, MutexGuard};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaStream;
 
 use crate::driver::{self, graph as raw};
 use crate::error::{Error, Result};
-use crate::space::{Space, SpaceShared, SpaceState};
-
-thread_local! {
-    static CAPTURE_DEPTH: Cell<u32> = const { Cell::new(0) };
-}
-
-/// Whether this thread is inside a [`StableGraph`] capture.
-pub(crate) fn capturing_on_this_thread() -> bool {
-    CAPTURE_DEPTH.with(|d| d.get() > 0)
-}
+use crate::fence::CaptureGuard;
+use crate::space::{Space, SpaceShared};
 
 /// The work a graph replays: it issues kernels, copies or library calls on the given stream.
 pub type Work = Box<dyn FnMut(&Arc<CudaStream>) -> Result<()> + Send>;
@@ -154,27 +145,11 @@ impl std::fmt::Debug for StableGraph {
         f.debug_struct("StableGraph")
             .field(
                 "spaces",
-                &self.spaces.iter().map(|s| s.id).collect::<Vec<_>>(),
+                &self.spaces.iter().map(|s| s.id()).collect::<Vec<_>>(),
             )
             .field("capture_time", &self.capture_time)
             .field("instantiate_time", &self.instantiate_time)
             .finish_non_exhaustive()
-    }
-}
-
-/// Decrements the capture depth even if the work panics.
-struct CaptureGuard;
-
-impl CaptureGuard {
-    fn enter() -> Self {
-        CAPTURE_DEPTH.with(|d| d.set(d.get() + 1));
-        CaptureGuard
-    }
-}
-
-impl Drop for CaptureGuard {
-    fn drop(&mut self) {
-        CAPTURE_DEPTH.with(|d| d.set(d.get() - 1));
     }
 }
 
@@ -207,10 +182,10 @@ impl StableGraph {
         F: FnMut(&Arc<CudaStream>) -> Result<()> + Send + 'static,
     {
         let mut shared: Vec<Arc<SpaceShared>> = spaces.iter().map(|s| s.shared.clone()).collect();
-        shared.sort_by_key(|s| s.id);
-        shared.dedup_by_key(|s| s.id);
+        shared.sort_by_key(|s| s.id());
+        shared.dedup_by_key(|s| s.id());
         for space in &shared {
-            space.lock().fence.attach(stream);
+            space.attach(stream);
         }
         let mut work: Work = Box::new(work);
         let (graph, capture_time) = capture_graph(stream, &mut work)?;
@@ -247,13 +222,11 @@ impl StableGraph {
         // Locks in id order (no deadlock between graphs over the same spaces); held until the
         // launch is enqueued so no bind can unmap between the check and the launch. A later
         // bind waits for this launch on the fence.
-        let mut guards: Vec<MutexGuard<'_, SpaceState>> = Vec::with_capacity(self.spaces.len());
-        for space in &self.spaces {
-            let mut state = space.lock();
-            space.require_all_bound(&state)?;
-            state.fence.attach(stream);
-            guards.push(state);
-        }
+        let _locks = self
+            .spaces
+            .iter()
+            .map(|space| space.lock_replayable(stream))
+            .collect::<Result<Vec<_>>>()?;
         self.exec.launch(stream)
     }
 

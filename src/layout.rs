@@ -14,7 +14,7 @@
 //! Everything here is arithmetic: it needs no device and is tested on the CPU.
 
 use crate::error::{Error, Result};
-use crate::kernels::fingerprint::source_fingerprint;
+use crate::hash::fnv1a64;
 
 /// What a slot is for. Inputs and outputs live in datasets and are swapped by binding; scratch
 /// lives in memory the space owns and is never swapped.
@@ -131,7 +131,7 @@ impl LayoutBuilder {
             })
             .collect();
         Ok(Layout {
-            fingerprint: source_fingerprint(&canonical),
+            fingerprint: fnv1a64(canonical.bytes()),
             slots: self.slots,
             groups,
         })

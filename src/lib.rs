@@ -57,44 +57,87 @@
 //! - Every driver failure is an [`Error`] naming the call; after an error, state is unchanged.
 //! - Drop order: unmap before release, release before freeing the reservation.
 //!
-//! [`ElasticPool`] ([`pool`]) is the other half: blocks at fixed addresses that grow in place,
-//! a physical chunk pool that stitches scattered cached chunks into one range and drains its
-//! cache on out-of-memory, budgets shared by tenants, statistics and an SVG timeline.
+//! ## The picture
+//! ```text
+//!   Space: one reservation, addresses fixed for its life
+//!   base                                                                     base + reserved
+//!   | group "weights"            | group "batch"      | scratch (the space's own) |
+//!   | slot w1   | slot w2        | slot x  | slot y   | slot tmp                  |
+//!        ^ graphs capture these addresses once
+//!
+//!   Dataset W7 (one cuMemCreate, laid out like group "weights"):  [ w1 | w2 ]
+//!   space.bind(&W7):  unmap the old dataset (after the fence) → map W7 → set access:
+//!                     ONE mapping for the whole group, whatever its slot count
+//! ```
+//!
+//! [`ElasticPool`] ([`pool`]) covers memory that changes size rather than content: blocks at
+//! fixed addresses that grow in place, a physical chunk pool that stitches scattered cached
+//! chunks into one range and drains its cache on out-of-memory, budgets shared by tenants,
+//! statistics and an SVG timeline. [`region::Region`] is what allocator hooks (the preload
+//! layer, the Python package) build on: a tag's allocations side by side, slept, woken and
+//! swapped with one mapping for the whole span.
 //!
 //! ## Layers
-//! `driver` (the only `unsafe`: VMM, graphs, launches) → [`layout`] (arithmetic) →
-//! [`Space`]/[`Dataset`] (binding) → [`StableGraph`] (capture, replay, update checks); and
-//! `driver` → [`pool`] (chunk and address books, then blocks and tenants over them).
+//! Each module imports only from the lines above it (`scripts/module-graph` checks that there
+//! is no loop):
+//! ```text
+//!   error, ids, hash                    leaves
+//!   driver                              the only unsafe: VMM, graphs, launches, host memory, fds
+//!   buffer, fence, host, layout         operands and range checks, waiting, host copies, arithmetic
+//!   kernels, pool, view                 launchers and cuBLAS, elastic memory, typed views
+//!   dataset, region, strategy           backing for one group, tagged regions, bind cost model
+//!   space (bind)                        the one place that unmaps under a space
+//!   graph, share, sleep                 capture/replay/update, fd sharing, sleep and wake
+//!   pipeline                            lanes of spaces and graphs
+//! ```
+//!
+//! ## Public surface
+//! The crate root has what a graph-replay loop needs. The modules add: [`buffer`] (the
+//! [`DeviceBuffer`] trait, checked copies, the plain `cuMemAlloc` baseline), [`vmm`] (raw
+//! reservations, chunks and mappings, to build your own layouts or measure the driver floor),
+//! [`kernels`] (the PTX and how it was compiled), [`pool`] (statistics and events of elastic
+//! memory), [`region`], [`share`] (the wire protocol) and [`layout`] (placement arithmetic).
+//!
+//! ## Features
+//! - `timeline` (default): the SVG timelines of pools and regions, drawn with `plotters`.
+//! - `cuda-13000` (default), `cuda-12090`, `cuda-12040`: which CUDA bindings cudarc uses.
 
-mod arena;
+#![deny(unsafe_code)]
+
+pub mod buffer;
 mod dataset;
+#[allow(unsafe_code)] // the one module that wraps the driver; see its docs
 mod driver;
 mod error;
 mod fence;
 mod graph;
+mod hash;
+mod host;
+mod ids;
 pub mod kernels;
 pub mod layout;
-mod offload;
 mod pipeline;
 pub mod pool;
+pub mod region;
 pub mod share;
+mod sleep;
 mod space;
 mod strategy;
 mod view;
 
-pub use arena::{chunk_plan, ArenaBook, HostArena, ARENA_ALIGN};
+pub use buffer::DeviceBuffer;
 pub use dataset::{Dataset, DatasetSlot, Refill};
-pub use driver::blas::{Blas, RECOMMENDED_WORKSPACE};
 pub use driver::{driver_present, memory_info, open_device};
 pub use error::{Error, Result};
 pub use fence::FencePolicy;
 pub use graph::{NodeKind, StableGraph, UpdateOutcome, UpdateReport, Work};
-pub use kernels::{DeviceBuffer, Kernels, MatmulKernel};
+pub use host::{HostArena, HostStorage, StorageUsed, TransferReport};
+pub use kernels::{Blas, Kernels, MatmulKernel, RECOMMENDED_WORKSPACE};
 pub use layout::{Layout, LayoutBuilder, Role};
-pub use offload::{offload_tagged, restore_tagged, HostStorage, StorageUsed, TransferReport};
 pub use pipeline::{Lane, Pipeline};
 pub use pool::{Block, ElasticPool, PoolOptions, PoolStats, Tenant, TenantStats};
 pub use share::{receive_dataset, send_ack, send_dataset, wait_ack};
+pub use sleep::{offload_tagged, restore_tagged};
 pub use space::{Slot, Space, SpaceOptions};
 pub use strategy::{BindStrategy, CostModel};
 pub use view::SlotView;
@@ -102,7 +145,6 @@ pub use view::SlotView;
 /// The raw VMM wrappers (reservation, physical memory, mapping), safe RAII types for callers
 /// that want to build their own layouts or measure the driver floor.
 pub mod vmm {
-    pub use crate::driver::linear::{copy_between, LinearBuffer};
     pub use crate::driver::vmm::{granularity, Mapping, Physical, Reservation};
 }
 

@@ -16,7 +16,6 @@ use crate::driver::{
     vmm::{granularity, Mapping, Physical, Reservation},
 };
 use crate::error::Result;
-use crate::view::SlotView;
 
 /// How binding puts a dataset's data under a group's slots.
 ///
@@ -124,15 +123,11 @@ impl CostModel {
             }
             remap[i] = fastest(&times);
             let target = mapping.as_ref().map(Mapping::ptr).unwrap_or_default();
-            let source = SlotView::<u8>::new(other.ptr(), "calibration", bytes, &stream)?;
-            let mut dest = SlotView::<u8>::new(target, "calibration", bytes, &stream)?;
             let mut times = Vec::new();
             for _ in 0..9 {
                 let start = Instant::now();
                 driver::synchronize_context(ctx)?;
-                driver::traced("cuMemcpyDtoDAsync", bytes, || {
-                    stream.memcpy_dtod(&source, &mut dest)
-                })?;
+                driver::copy_device(&stream, other.ptr(), target, bytes)?;
                 driver::synchronize_stream(&stream)?;
                 times.push(start.elapsed().as_secs_f64() * 1e6);
             }

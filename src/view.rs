@@ -7,7 +7,8 @@ use cudarc::driver::{
     sys, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice, SyncOnDrop,
 };
 
-use crate::driver::{self, kernels::DeviceBuffer};
+use crate::buffer::DeviceBuffer;
+use crate::driver::{self, interop::impl_kernel_arg};
 use crate::error::{Error, Result};
 
 /// `len` elements of `T` at a slot's address, tied to a stream and to the space or dataset it
@@ -18,11 +19,16 @@ use crate::error::{Error, Result};
 /// capturing. Ordering against rebinding is the space's fence's job.
 #[derive(Debug)]
 pub struct SlotView<'a, T> {
-    pub(crate) ptr: sys::CUdeviceptr,
+    ptr: sys::CUdeviceptr,
     len: usize,
     stream: Arc<CudaStream>,
-    _marker: PhantomData<(&'a (), fn() -> T)>,
+    _marker: PhantomData<Borrowed<'a, T>>,
 }
+
+/// What a view holds without owning: a borrow of its space or dataset, and elements of `T`.
+type Borrowed<'a, T> = (&'a (), fn() -> T);
+
+impl_kernel_arg!(SlotView<'c, T>, ptr);
 
 impl<T> SlotView<'_, T> {
     pub(crate) fn new(
@@ -53,6 +59,19 @@ impl<T> SlotView<'_, T> {
     pub fn device_ptr(&self) -> sys::CUdeviceptr {
         self.ptr
     }
+
+    /// The `len` elements from element `start`: a checked sub-range of the view (say, the head
+    /// of a 1 GiB slot), usable wherever the whole view is.
+    pub fn slice(&self, start: usize, len: usize) -> Result<SlotView<'_, T>> {
+        let elem = std::mem::size_of::<T>();
+        crate::buffer::require_range("view slice", self.len, start, len)?;
+        Ok(SlotView {
+            ptr: self.ptr + (start * elem) as u64,
+            len,
+            stream: self.stream.clone(),
+            _marker: PhantomData,
+        })
+    }
 }
 
 /// How many `T` fit exactly in `bytes`.
@@ -80,6 +99,19 @@ pub(crate) fn require_host_len<T>(slot: &str, slot_bytes: usize, data: &[T]) -> 
         });
     }
     Ok(())
+}
+
+/// Copies `data` (exactly `slot_bytes`) into slot `slot` through the view `view` makes; the
+/// length is checked first, so a wrong length is reported as such even when the slot is not a
+/// whole number of `T`.
+pub(crate) fn write_slot<'a, T: DeviceRepr>(
+    slot: &str,
+    slot_bytes: usize,
+    data: &[T],
+    view: impl FnOnce() -> Result<SlotView<'a, T>>,
+) -> Result<()> {
+    require_host_len(slot, slot_bytes, data)?;
+    write(&mut view()?, slot, data)
 }
 
 /// Copies `data` into the view and waits for the copy, so `data` may be dropped at once.

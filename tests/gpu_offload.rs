@@ -146,7 +146,7 @@ fn a_graph_captured_before_sleep_replays_after_wake_on_the_same_contents() {
     let (free_awake, _) = memory_info(&gpu.ctx).unwrap();
     let reports = space
         .sleep(
-            &mut [&mut weights, &mut batch],
+            [&mut weights, &mut batch],
             &HostStorage::Pinned(arena),
             &gpu.stream,
         )
@@ -164,9 +164,7 @@ fn a_graph_captured_before_sleep_replays_after_wake_on_the_same_contents() {
         Err(Error::Asleep)
     ));
 
-    space
-        .wake(&mut [&mut weights, &mut batch], &gpu.stream)
-        .unwrap();
+    space.wake([&mut weights, &mut batch], &gpu.stream).unwrap();
     assert!(!space.is_asleep());
     gpu.kernels
         .fill(&gpu.stream, space.slot("c").unwrap(), f32::NAN)
@@ -319,13 +317,13 @@ fn a_hundred_sleep_wake_cycles_leak_neither_device_nor_pinned_memory() {
     let arena = HostArena::new(&gpu.ctx, 32 * MIB).unwrap();
     let storage = HostStorage::Pinned(arena.clone());
     // One cycle first, so lazily created driver resources are not counted as leaks.
-    space.sleep(&mut [&mut d], &storage, &gpu.stream).unwrap();
-    space.wake(&mut [&mut d], &gpu.stream).unwrap();
+    space.sleep([&mut d], &storage, &gpu.stream).unwrap();
+    space.wake([&mut d], &gpu.stream).unwrap();
     gpu.ctx.synchronize().unwrap();
     let (baseline, _) = memory_info(&gpu.ctx).unwrap();
     for cycle in 0..100 {
-        space.sleep(&mut [&mut d], &storage, &gpu.stream).unwrap();
-        space.wake(&mut [&mut d], &gpu.stream).unwrap();
+        space.sleep([&mut d], &storage, &gpu.stream).unwrap();
+        space.wake([&mut d], &gpu.stream).unwrap();
         if cycle % 25 == 0 {
             assert_eq!(
                 space.read::<u32>(&gpu.stream, "w").unwrap(),

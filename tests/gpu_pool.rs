@@ -5,8 +5,8 @@ mod common;
 
 use common::{gpu, random_vec, rng, Gpu};
 use rand::Rng;
+use stablebuf::buffer::LinearBuffer;
 use stablebuf::pool::{DrainReason, EventKind};
-use stablebuf::vmm::LinearBuffer;
 use stablebuf::{memory_info, Block, ElasticPool, Error, PoolOptions};
 
 const MIB: usize = 1 << 20;
@@ -422,4 +422,63 @@ fn a_capture_in_progress_blocks_mapping_and_unmapping() {
     // Never launched, so the block holds what it held, all of it still mapped.
     assert_eq!(block.len(), 128 * MIB);
     assert_eq!(mismatches(&gpu, &block, 0, 32 * MIB, 11), 0);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_graft_moves_the_donors_bytes_under_the_target_without_a_copy() {
+    let gpu = gpu();
+    let mut rng = rng("graft");
+    let pool = ElasticPool::new(&gpu.ctx, PoolOptions::default()).unwrap();
+    let tenant = pool.register("resizer", 16 * GIB).unwrap();
+    let (old_len, new_len) = (1536 * MIB, 3 * GIB);
+    let mut old = tenant.alloc(old_len).unwrap();
+    let seed = rng.gen();
+    write_pattern(&gpu, &old, 0, old_len / 4, seed);
+    let mut new = tenant.alloc(new_len).unwrap();
+    let address = new.address();
+    gpu.kernels.fill(&gpu.stream, &new, f32::NAN).unwrap();
+    let creates = pool.stats().creates;
+    new.graft(&mut old).unwrap();
+    assert_eq!(new.address(), address, "the target keeps its address");
+    assert_eq!(new.len(), new_len);
+    assert_eq!(old.len(), 0, "the donor holds nothing");
+    assert!(matches!(old.info(), Err(Error::TenantGone { .. })));
+    assert_eq!(
+        mismatches(&gpu, &new, 0, old_len / 4, seed),
+        0,
+        "the donor's bytes are at the start of the target"
+    );
+    // The rest of the target is usable memory, end to end.
+    let tail_seed = seed.wrapping_add(1);
+    gpu.kernels
+        .fill_pattern(
+            &gpu.stream,
+            &new,
+            old_len / 4,
+            (new_len - old_len) / 4,
+            tail_seed,
+        )
+        .unwrap();
+    assert_eq!(
+        mismatches(&gpu, &new, old_len / 4, (new_len - old_len) / 4, tail_seed),
+        0
+    );
+    assert_eq!(
+        mismatches(&gpu, &new, 0, old_len / 4, seed),
+        0,
+        "the head is untouched"
+    );
+    assert!(
+        pool.stats().creates <= creates + 1,
+        "at most one new chunk, for the part the donor does not cover"
+    );
+    assert_eq!(new.info().unwrap().mapped, new_len);
+    let mut third = tenant.alloc(old_len).unwrap();
+    let mut small = tenant.alloc(64 * MIB).unwrap();
+    assert!(
+        matches!(small.graft(&mut third), Err(Error::InvalidShape(_))),
+        "donor too long"
+    );
+    assert_eq!(third.len(), old_len, "a refused graft changes nothing");
 }

@@ -3,9 +3,8 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{sys, CudaContext, CudaStream};
+use cudarc::driver::{sys, CudaContext};
 
-use super::kernels::{require_range, DeviceBuffer};
 use super::{bind_context, traced_raw};
 use crate::error::{Error, Result};
 
@@ -47,16 +46,6 @@ impl LinearBuffer {
     }
 }
 
-impl DeviceBuffer for LinearBuffer {
-    fn device_address(&self) -> sys::CUdeviceptr {
-        self.ptr
-    }
-
-    fn byte_len(&self) -> usize {
-        self.bytes
-    }
-}
-
 impl Drop for LinearBuffer {
     fn drop(&mut self) {
         let (ptr, bytes) = (self.ptr, self.bytes);
@@ -71,27 +60,4 @@ impl Drop for LinearBuffer {
             tracing::error!(%error, ptr, bytes, "cuMemFree failed");
         }
     }
-}
-
-/// Enqueues a copy of `bytes` from `source` at `source_offset` to `target` at `target_offset`
-/// on `stream` (device to device). Both ranges are checked against the buffers' lengths first.
-pub fn copy_between(
-    stream: &Arc<CudaStream>,
-    target: &impl DeviceBuffer,
-    target_offset: usize,
-    source: &impl DeviceBuffer,
-    source_offset: usize,
-    bytes: usize,
-) -> Result<()> {
-    require_range("copy target", target.byte_len(), target_offset, bytes)?;
-    require_range("copy source", source.byte_len(), source_offset, bytes)?;
-    if bytes == 0 {
-        return Ok(());
-    }
-    super::copy_device(
-        stream,
-        source.device_address() + source_offset as u64,
-        target.device_address() + target_offset as u64,
-        bytes,
-    )
 }

@@ -6,14 +6,14 @@
 //! Every driver call goes through [`traced`]: a `debug` span named after the call, with the bytes
 //! it concerns, and a `debug` event with its duration and result.
 
-pub mod blas;
+pub(crate) mod blas;
 pub(crate) mod graph;
 pub(crate) mod host;
 pub(crate) mod interop;
-pub mod kernels;
-pub mod linear;
+pub(crate) mod launch;
+pub(crate) mod linear;
 pub(crate) mod share;
-pub mod vmm;
+pub(crate) mod vmm;
 
 use std::sync::Arc;
 use std::time::Instant;

@@ -106,7 +106,7 @@ pub(crate) fn receive_with_fds(
     }
     if message.flags.contains(MsgFlags::MSG_CTRUNC) {
         return Err(Error::Protocol(
-            crate::share::ProtocolError::UnexpectedFds {
+            crate::error::ProtocolError::UnexpectedFds {
                 count: fds.len() + 1,
             },
         ));

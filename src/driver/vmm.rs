@@ -11,6 +11,7 @@
 //! is released before its address range is freed. What this layer cannot know is whether the GPU
 //! still uses a mapping: the bind layer waits for that before it drops one.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaContext};
@@ -190,6 +191,9 @@ pub struct Mapping {
     /// Set when the owner could not prove the GPU is done with the range: the mapping, its
     /// memory and its reservation are then kept for the life of the process instead of freed.
     leak: bool,
+    /// Set when the address was handed out as a kernel operand (`DeviceBuffer`): nothing then
+    /// tracks which streams use the range, so dropping waits for the whole context.
+    exposed: AtomicBool,
 }
 
 impl Mapping {
@@ -232,9 +236,21 @@ impl Mapping {
             physical: physical.clone(),
             reservation: reservation.clone(),
             leak: false,
+            exposed: AtomicBool::new(false),
         };
         mapping.set_access(access_devices)?; // on error `mapping` drops and unmaps
         Ok(mapping)
+    }
+
+    /// `physical` mapped whole at a fresh reservation of its own: a private address for it.
+    pub fn alone(
+        ctx: &Arc<CudaContext>,
+        physical: &Arc<Physical>,
+        access_devices: &[usize],
+    ) -> Result<Self> {
+        let bytes = physical.bytes();
+        let reservation = Arc::new(Reservation::new(ctx, bytes, granularity(ctx, false)?)?);
+        Self::new(&reservation, 0, physical, 0, bytes, access_devices)
     }
 
     fn set_access(&self, devices: &[usize]) -> Result<()> {
@@ -264,6 +280,12 @@ impl Mapping {
         self.bytes
     }
 
+    /// The address, marking the mapping exposed (see the field's docs).
+    pub(crate) fn expose(&self) -> sys::CUdeviceptr {
+        self.exposed.store(true, Ordering::Relaxed);
+        self.ptr
+    }
+
     pub(crate) fn physical(&self) -> &Arc<Physical> {
         &self.physical
     }
@@ -288,6 +310,14 @@ impl Drop for Mapping {
                 "mapping leaked because the GPU may still use it"
             );
             return;
+        }
+        if self.exposed.load(Ordering::Relaxed) {
+            if let Err(error) = super::synchronize_context(&self.reservation.ctx) {
+                tracing::error!(%error, ptr, bytes, "waiting before unmapping an exposed mapping failed; leaking it");
+                std::mem::forget(self.physical.clone());
+                std::mem::forget(self.reservation.clone());
+                return;
+            }
         }
         let unmapped = bind_context(&self.reservation.ctx).and_then(|()| {
             traced_raw("cuMemUnmap", bytes, || {

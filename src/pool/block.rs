@@ -8,8 +8,8 @@ use super::book::TenantId;
 use super::elastic::Shared;
 use super::events::BlockId;
 use super::state::BlockInfo;
+use crate::buffer::{require_range, DeviceBuffer};
 use crate::driver;
-use crate::driver::kernels::{require_range, DeviceBuffer};
 use crate::error::{Error, Result};
 
 /// Device memory from an [`crate::ElasticPool`] at an address that never changes while the
@@ -125,6 +125,30 @@ impl Block {
         } else {
             self.shrink(new_len)
         }
+    }
+
+    /// Moves `donor`'s physical memory under the first bytes of this block without copying:
+    /// this block's chunks that overlap the donor's mapped bytes are unmapped (after the
+    /// tenant's fence) and cached, the donor's chunks are mapped there in order, and whatever
+    /// part of the removed chunks' range they do not cover is backed again (cache first, else one
+    /// new chunk). Afterwards this block starts with the donor's contents, and the donor holds
+    /// nothing: its addresses are freed, its length is 0 and its methods report
+    /// [`Error::TenantGone`].
+    ///
+    /// All or nothing: on an error both blocks are as they were. [`Error::InvalidShape`] when the
+    /// donor is longer than this block, is this block, or belongs to another tenant.
+    pub fn graft(&mut self, donor: &mut Block) -> Result<()> {
+        if !Arc::ptr_eq(&self.shared, &donor.shared) || self.tenant != donor.tenant {
+            return Err(Error::InvalidShape(
+                "a block can only be grafted onto a block of the same tenant".into(),
+            ));
+        }
+        self.shared
+            .lock()
+            .graft(self.tenant, self.id, donor.id)
+            .map_err(|e| self.map_gone(e))?;
+        donor.freed = true;
+        Ok(())
     }
 
     /// Copies `data` to the block at `offset` bytes and waits for the copy.

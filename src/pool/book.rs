@@ -388,6 +388,7 @@ impl ChunkBook {
     }
 
     /// Checks every invariant; returns the first one broken. Used by tests after every step.
+    #[cfg(test)]
     pub fn check_invariants(&self) -> Result<(), String> {
         let (mut held, mut cached) = (0usize, 0usize);
         let mut per_tenant: BTreeMap<TenantId, (usize, usize)> = BTreeMap::new();

@@ -1,16 +1,15 @@
 //! The public handles: [`ElasticPool`] (shared, cloneable) and [`Tenant`].
 
-use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use cudarc::driver::{CudaContext, CudaStream};
 
+use super::backend::Vmm;
 use super::block::Block;
 use super::book::TenantId;
 use super::events::Event;
 use super::state::{State, Switches};
 use super::stats::{PoolStats, TenantStats};
-use super::timeline;
 use crate::driver::vmm::granularity;
 use crate::error::Result;
 use crate::fence::FencePolicy;
@@ -70,15 +69,15 @@ impl PoolOptions {
 }
 
 pub(crate) struct Shared {
-    pub ctx: Arc<CudaContext>,
-    pub granularity: usize,
-    state: Mutex<State>,
+    ctx: Arc<CudaContext>,
+    granularity: usize,
+    state: Mutex<State<Vmm>>,
 }
 
 impl Shared {
     /// The state; a panic in another thread while it held the lock leaves the books as they
     /// were after its last completed step, so the lock is taken anyway rather than panicking.
-    pub fn lock(&self) -> MutexGuard<'_, State> {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, State<Vmm>> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
@@ -103,7 +102,7 @@ impl ElasticPool {
     pub fn new(ctx: &Arc<CudaContext>, options: PoolOptions) -> Result<Self> {
         let granularity = granularity(ctx, false)?;
         let state = State::new(
-            ctx,
+            Vmm::new(ctx),
             granularity,
             options.budget,
             Switches {
@@ -170,31 +169,33 @@ impl ElasticPool {
     }
 
     pub fn set_stitching(&self, on: bool) {
-        self.shared.lock().switches.stitching = on;
+        self.shared.lock().switches_mut().stitching = on;
     }
 
     pub fn set_drain_on_oom(&self, on: bool) {
-        self.shared.lock().switches.drain_on_oom = on;
+        self.shared.lock().switches_mut().drain_on_oom = on;
     }
 
     /// The logged events, oldest first.
     pub fn events(&self) -> Vec<Event> {
-        self.shared.lock().events.events().cloned().collect()
+        self.shared.lock().events().events().cloned().collect()
     }
 
     /// How many events the log dropped because it was full.
     pub fn dropped_events(&self) -> u64 {
-        self.shared.lock().events.dropped()
+        self.shared.lock().events().dropped()
     }
 
-    /// The logged events as an SVG timeline of the address space (see [`timeline`]).
+    /// The logged events as an SVG timeline of the address space (see [`super::timeline`]).
+    #[cfg(feature = "timeline")]
     pub fn timeline_svg(&self, title: &str) -> Result<String> {
-        timeline::render_svg(&self.events(), title)
+        super::timeline::render_svg(&self.events(), title)
     }
 
     /// [`ElasticPool::timeline_svg`] written to `path`.
-    pub fn write_timeline(&self, title: &str, path: impl AsRef<Path>) -> Result<()> {
-        timeline::write_svg(&self.events(), title, path)
+    #[cfg(feature = "timeline")]
+    pub fn write_timeline(&self, title: &str, path: impl AsRef<std::path::Path>) -> Result<()> {
+        super::timeline::write_svg(&self.events(), title, path)
     }
 }
 

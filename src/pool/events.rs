@@ -98,10 +98,7 @@ impl EventLog {
         self.events.iter()
     }
 
-    pub fn len(&self) -> usize {
-        self.events.len()
-    }
-
+    #[cfg(test)]
     pub fn is_empty(&self) -> bool {
         self.events.is_empty()
     }
@@ -109,11 +106,6 @@ impl EventLog {
     /// How many events were dropped because the log was full.
     pub fn dropped(&self) -> u64 {
         self.dropped
-    }
-
-    pub fn clear(&mut self) {
-        self.events.clear();
-        self.dropped = 0;
     }
 }
 

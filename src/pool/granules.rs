@@ -30,10 +30,6 @@ impl GranuleMap {
         self.taken.len()
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.taken.is_empty()
-    }
-
     pub fn taken(&self) -> usize {
         self.taken.count_ones()
     }
@@ -43,6 +39,7 @@ impl GranuleMap {
     }
 
     /// Whether granule `index` is taken (false past the end).
+    #[cfg(test)]
     pub fn is_taken(&self, index: usize) -> bool {
         self.taken.get(index).is_some_and(|bit| *bit)
     }

@@ -21,7 +21,7 @@
 //! # Concepts
 //!
 //! A **tenant** reserves a range of virtual addresses (its capacity) and carves **blocks** out
-//! of it, best fit, one bit per granule ([`GranuleMap`]). A block's physical memory is one or
+//! of it, best fit, one bit per granule. A block's physical memory is one or
 //! more **chunks** (`cuMemCreate` allocations) mapped side by side:
 //!
 //! ```text
@@ -59,21 +59,27 @@
 //! - A failed request changes nothing but the cache it released to make room.
 //! - Blocks of an unregistered tenant have length 0: copies and kernel launchers refuse them.
 
+mod backend;
 mod block;
 mod book;
 mod elastic;
 mod events;
+#[cfg(test)]
+mod fake;
 mod granules;
 #[cfg(test)]
 mod proptests;
 mod state;
 mod stats;
+#[cfg(feature = "timeline")]
 pub mod timeline;
 
 pub use block::Block;
-pub use book::{BudgetScope, ChunkBook, ChunkId, OverBudget, Plan, TenantId};
+pub use book::{ChunkId, TenantId};
 pub use elastic::{ElasticPool, PoolOptions, Tenant};
-pub use events::{BlockId, DrainReason, Event, EventKind, EventLog};
-pub use granules::GranuleMap;
+pub use events::{BlockId, DrainReason, Event, EventKind};
 pub use state::BlockInfo;
 pub use stats::{human_bytes, PoolStats, TenantStats};
+
+pub(crate) use events::EventLog;
+pub(crate) use granules::GranuleMap;

@@ -250,3 +250,308 @@ proptest! {
         }
     }
 }
+
+/// The whole pool state machine (planner, books, tenants, blocks, segments, drains, grafts)
+/// against the fake driver, with driver failures injected at random calls.
+mod against_a_fake_driver {
+    use proptest::prelude::*;
+
+    use crate::error::Error;
+    use crate::fence::FencePolicy;
+    use crate::pool::book::TenantId;
+    use crate::pool::events::BlockId;
+    use crate::pool::fake::{Call, Fake};
+    use crate::pool::state::{State, Switches};
+
+    const G: usize = 2 << 20;
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Register {
+            capacity: usize,
+            limit: Option<usize>,
+        },
+        Unregister {
+            pick: usize,
+        },
+        Alloc {
+            pick: usize,
+            len: usize,
+            extra: usize,
+        },
+        Grow {
+            pick: usize,
+            by: usize,
+        },
+        Shrink {
+            pick: usize,
+            keep: usize,
+        },
+        Free {
+            pick: usize,
+        },
+        Graft {
+            pick: usize,
+            donor: usize,
+        },
+        Drain,
+        Fail {
+            call: u8,
+            skip: usize,
+        },
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            1 => (16usize..96, prop::option::of(8usize..48))
+                .prop_map(|(capacity, limit)| Op::Register { capacity, limit }),
+            1 => any::<usize>().prop_map(|pick| Op::Unregister { pick }),
+            6 => (any::<usize>(), 1usize..12, 0usize..6)
+                .prop_map(|(pick, len, extra)| Op::Alloc { pick, len, extra }),
+            3 => (any::<usize>(), 1usize..6).prop_map(|(pick, by)| Op::Grow { pick, by }),
+            2 => (any::<usize>(), 0usize..8).prop_map(|(pick, keep)| Op::Shrink { pick, keep }),
+            4 => any::<usize>().prop_map(|pick| Op::Free { pick }),
+            2 => (any::<usize>(), any::<usize>()).prop_map(|(pick, donor)| Op::Graft { pick, donor }),
+            1 => Just(Op::Drain),
+            2 => (0u8..4, 0usize..3).prop_map(|(call, skip)| Op::Fail { call, skip }),
+        ]
+    }
+
+    /// What the test expects: tenants and their blocks with lengths (in granules).
+    #[derive(Default)]
+    struct Model {
+        tenants: Vec<(TenantId, Vec<(BlockId, usize)>)>,
+    }
+
+    impl Model {
+        fn block(&self, pick: usize) -> Option<(TenantId, BlockId, usize)> {
+            let all: Vec<(TenantId, BlockId, usize)> = self
+                .tenants
+                .iter()
+                .flat_map(|(t, blocks)| blocks.iter().map(move |&(b, len)| (*t, b, len)))
+                .collect();
+            (!all.is_empty()).then(|| all[pick % all.len()])
+        }
+
+        fn set_len(&mut self, tenant: TenantId, block: BlockId, len: usize) {
+            for (t, blocks) in &mut self.tenants {
+                if *t == tenant {
+                    for entry in blocks.iter_mut().filter(|e| e.0 == block) {
+                        entry.1 = len;
+                    }
+                }
+            }
+        }
+
+        fn remove(&mut self, tenant: TenantId, block: BlockId) {
+            for (t, blocks) in &mut self.tenants {
+                if *t == tenant {
+                    blocks.retain(|e| e.0 != block);
+                }
+            }
+        }
+    }
+
+    fn typed(error: &Error) -> bool {
+        matches!(
+            error,
+            Error::OutOfMemory { .. }
+                | Error::PoolOutOfMemory { .. }
+                | Error::Driver { .. }
+                | Error::OverBudget { .. }
+                | Error::VirtualCapacity { .. }
+                | Error::BeyondCapacity { .. }
+                | Error::InvalidShape(_)
+        )
+    }
+
+    fn check(state: &State<Fake>, fake: &Fake, model: &Model) -> Result<(), TestCaseError> {
+        state
+            .book()
+            .check_invariants()
+            .map_err(TestCaseError::fail)?;
+        let stats = state.stats();
+        prop_assert_eq!(
+            fake.live_chunks(),
+            stats.chunks + fake.leaked_mappings(),
+            "every chunk the driver holds is in the books, or leaked with its mapping"
+        );
+        prop_assert_eq!(
+            fake.live_mappings(),
+            stats.mappings,
+            "mappings match the blocks"
+        );
+        for (tenant, blocks) in &model.tenants {
+            for &(block, len) in blocks {
+                let info = state
+                    .info(*tenant, block)
+                    .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                prop_assert_eq!(info.len, len * G, "block length");
+                prop_assert!(info.mapped >= info.len, "a block's bytes are all mapped");
+                prop_assert!(info.mapped <= info.capacity);
+            }
+        }
+        Ok(())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(192))]
+
+        #[test]
+        fn the_pool_stays_consistent_under_random_traffic_and_injected_failures(
+            budget in prop::option::of(24usize..128),
+            device in 32usize..160,
+            stitching in any::<bool>(),
+            ops in prop::collection::vec(op(), 1..100),
+        ) {
+            let fake = Fake::new(device * G);
+            let switches = Switches { stitching, drain_on_oom: true };
+            let mut state = State::new(fake.clone(), G, budget.map(|b| b * G), switches, FencePolicy::Context, 1024);
+            let mut model = Model::default();
+            let mut injected = 0usize;
+            for op in &ops {
+                let before = state.stats();
+                let failing = matches!(op, Op::Fail { .. });
+                let outcome = match *op {
+                    Op::Fail { call, skip } => {
+                        let call = [Call::Reserve, Call::Create, Call::Map, Call::Wait][call as usize];
+                        fake.fail(call, skip);
+                        injected += 1;
+                        Ok(())
+                    }
+                    Op::Register { capacity, limit } => {
+                        let name = format!("t{}", model.tenants.len());
+                        state.register(&name, capacity * G, limit.map(|l| l * G)).map(|id| {
+                            model.tenants.push((id, Vec::new()));
+                        })
+                    }
+                    Op::Unregister { pick } => {
+                        if model.tenants.is_empty() {
+                            Ok(())
+                        } else {
+                            let (tenant, _) = model.tenants.remove(pick % model.tenants.len());
+                            // Even when the fence fails, the tenant is gone (its memory leaked).
+                            state.unregister(tenant)
+                        }
+                    }
+                    Op::Alloc { pick, len, extra } => {
+                        if model.tenants.is_empty() {
+                            Ok(())
+                        } else {
+                            let index = pick % model.tenants.len();
+                            let tenant = model.tenants[index].0;
+                            state.alloc(tenant, len * G, (len + extra) * G).map(|(block, _, _)| {
+                                model.tenants[index].1.push((block, len));
+                            })
+                        }
+                    }
+                    Op::Grow { pick, by } => match model.block(pick) {
+                        Some((tenant, block, len)) => state
+                            .grow(tenant, block, (len + by) * G)
+                            .map(|()| model.set_len(tenant, block, len + by)),
+                        None => Ok(()),
+                    },
+                    Op::Shrink { pick, keep } => match model.block(pick) {
+                        Some((tenant, block, len)) => {
+                            let keep = keep.min(len);
+                            state
+                                .shrink(tenant, block, keep * G)
+                                .map(|()| model.set_len(tenant, block, keep))
+                        }
+                        None => Ok(()),
+                    },
+                    Op::Free { pick } => match model.block(pick) {
+                        Some((tenant, block, _)) => {
+                            // Freed even when the fence fails (its memory is leaked then).
+                            model.remove(tenant, block);
+                            state.free(tenant, block)
+                        }
+                        None => Ok(()),
+                    },
+                    Op::Graft { pick, donor } => match (model.block(pick), model.block(donor)) {
+                        (Some((t, target, _)), Some((d, donor, _))) if t == d => {
+                            state.graft(t, target, donor).map(|()| model.remove(t, donor))
+                        }
+                        _ => Ok(()),
+                    },
+                    Op::Drain => {
+                        state.drain();
+                        Ok(())
+                    }
+                };
+                if let Err(error) = &outcome {
+                    prop_assert!(typed(error), "untyped error {error:?} for {op:?}");
+                    let after = state.stats();
+                    let freeing = matches!(op, Op::Free { .. } | Op::Unregister { .. });
+                    if !freeing {
+                        // A refusal changes nothing but the cache it released.
+                        prop_assert_eq!(after.mapped, before.mapped, "{:?} changed mapped memory", op);
+                        prop_assert_eq!(after.mappings, before.mappings, "{:?} changed mappings", op);
+                    }
+                }
+                if !failing {
+                    fake.clear_failure();
+                }
+                check(&state, &fake, &model)?;
+            }
+            // Everything freed and drained: nothing is left but what a failed fence leaked.
+            for (tenant, _) in model.tenants.drain(..) {
+                let _ = state.unregister(tenant);
+            }
+            state.drain();
+            prop_assert_eq!(fake.live_mappings(), 0);
+            prop_assert_eq!(fake.live_chunks(), fake.leaked_mappings());
+            let _ = injected;
+        }
+    }
+}
+
+mod grafting {
+    use crate::fence::FencePolicy;
+    use crate::pool::fake::{Call, Fake};
+    use crate::pool::state::{State, Switches};
+
+    const G: usize = 2 << 20;
+
+    #[test]
+    fn a_graft_moves_the_donors_chunks_and_backs_the_rest_from_the_cache() {
+        let fake = Fake::new(64 * G);
+        let switches = Switches {
+            stitching: true,
+            drain_on_oom: true,
+        };
+        let mut state = State::new(fake.clone(), G, None, switches, FencePolicy::Context, 256);
+        let tenant = state.register("t", 64 * G, None).unwrap();
+        // One chunk each; then a 1-granule chunk in the cache for the gap.
+        let (spare, _, _) = state.alloc(tenant, G, G).unwrap();
+        let (target, _, _) = state.alloc(tenant, 3 * G, 3 * G).unwrap();
+        let (donor, _, _) = state.alloc(tenant, 2 * G, 2 * G).unwrap();
+        state.free(tenant, spare).unwrap();
+        let creates = fake.calls(Call::Create);
+        let chunks_before = state.stats().chunks;
+        state.graft(tenant, target, donor).unwrap();
+        let info = state.info(tenant, target).unwrap();
+        assert_eq!((info.len, info.mapped, info.mappings), (3 * G, 3 * G, 2));
+        assert!(state.info(tenant, donor).is_err(), "the donor is gone");
+        assert_eq!(
+            fake.calls(Call::Create),
+            creates,
+            "the gap came from the cache"
+        );
+        assert_eq!(
+            state.stats().chunks,
+            chunks_before,
+            "nothing created or released"
+        );
+        assert_eq!(fake.live_mappings(), state.stats().mappings);
+        assert!(state.graft(tenant, target, target).is_err());
+        let (longer, _, _) = state.alloc(tenant, 4 * G, 4 * G).unwrap();
+        let before = state.stats();
+        assert!(
+            state.graft(tenant, target, longer).is_err(),
+            "donor longer than target"
+        );
+        assert_eq!(state.stats().mappings, before.mappings);
+        state.unregister(tenant).unwrap();
+    }
+}

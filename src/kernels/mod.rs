@@ -1,25 +1,26 @@
-//! Typed launchers for the kernels in `kernels/matmul.cu`.
+//! The kernels `build.rs` compiled from `kernels/matmul.cu`, and their typed launchers, plus
+//! cuBLAS SGEMM ([`Blas`]).
 //!
 //! Each launcher checks shapes and buffer sizes on the host first, so a wrong size is an
 //! [`Error`], never an out-of-bounds access on the GPU.
 
+mod blas;
+mod ptx;
+
 use std::sync::Arc;
 use std::time::Duration;
 
-use cudarc::driver::{
-    sys, CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg,
-};
-use cudarc::nvrtc::Ptx;
+use cudarc::driver::{CudaContext, CudaModule, CudaStream, DevicePtr, LaunchConfig};
 
-use super::{bind_context, traced};
+use crate::buffer::{require_range, DeviceBuffer};
+use crate::driver::launch::{abi, function, load_module, KernelFn};
+use crate::driver::traced;
 use crate::error::{Error, Result};
-use crate::kernels::PTX;
 
-/// Anything with a device address and a size in bytes: slots, views.
-pub trait DeviceBuffer {
-    fn device_address(&self) -> sys::CUdeviceptr;
-    fn byte_len(&self) -> usize;
-}
+pub use blas::{Blas, RECOMMENDED_WORKSPACE};
+pub use ptx::{PTX, PTX_COMPILER};
+
+type Matmul = KernelFn<(u64, u64, u64, i32, i32, i32)>;
 
 /// Which matmul kernel to launch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -39,15 +40,15 @@ pub enum MatmulKernel {
 #[derive(Debug)]
 pub struct Kernels {
     module: Arc<CudaModule>,
-    naive: CudaFunction,
-    tiled: CudaFunction,
-    register_tiled: CudaFunction,
-    bias_act: CudaFunction,
-    fill: CudaFunction,
-    spin: CudaFunction,
-    fill_pattern: CudaFunction,
-    count_mismatches: CudaFunction,
-    affine: CudaFunction,
+    naive: Matmul,
+    tiled: Matmul,
+    register_tiled: Matmul,
+    bias_act: KernelFn<(u64, u64, i32, i32, i32)>,
+    fill: KernelFn<(u64, u64, f32)>,
+    spin: KernelFn<(u64,)>,
+    fill_pattern: KernelFn<(u64, u64, u64, u32)>,
+    count_mismatches: KernelFn<(u64, u64, u64, u32, u64)>,
+    affine: KernelFn<(u64, u64, f32, f32)>,
 }
 
 const F32: usize = std::mem::size_of::<f32>();
@@ -82,21 +83,17 @@ pub(crate) fn need(what: &'static str, buffer: &dyn DeviceBuffer, elems: [usize;
 impl Kernels {
     /// Loads the module into `ctx` (the driver JIT-compiles the PTX for the device once).
     pub fn load(ctx: &Arc<CudaContext>) -> Result<Self> {
-        bind_context(ctx)?;
-        let module = traced("cuModuleLoadData", PTX.len(), || {
-            ctx.load_module(Ptx::from_src(PTX))
-        })?;
-        let function = |name: &str| traced("cuModuleGetFunction", 0, || module.load_function(name));
+        let module = load_module(ctx, PTX)?;
         Ok(Self {
-            naive: function("matmul_naive")?,
-            tiled: function("matmul_tiled")?,
-            register_tiled: function("matmul_regtile")?,
-            bias_act: function("bias_act")?,
-            fill: function("fill_f32")?,
-            spin: function("spin_ns")?,
-            fill_pattern: function("fill_pattern_u32")?,
-            count_mismatches: function("count_pattern_mismatches_u32")?,
-            affine: function("affine_f32")?,
+            naive: function(&module, abi::MATMUL_NAIVE)?,
+            tiled: function(&module, abi::MATMUL_TILED)?,
+            register_tiled: function(&module, abi::MATMUL_REGTILE)?,
+            bias_act: function(&module, abi::BIAS_ACT)?,
+            fill: function(&module, abi::FILL_F32)?,
+            spin: function(&module, abi::SPIN_NS)?,
+            fill_pattern: function(&module, abi::FILL_PATTERN_U32)?,
+            count_mismatches: function(&module, abi::COUNT_PATTERN_MISMATCHES_U32)?,
+            affine: function(&module, abi::AFFINE_F32)?,
             module,
         })
     }
@@ -187,13 +184,7 @@ impl Kernels {
             )));
         }
         let (pa, pb, pc) = (a.device_address(), b.device_address(), c.device_address());
-        traced("cuLaunchKernel", 0, || {
-            let mut launch = stream.launch_builder(function);
-            launch.arg(&pa).arg(&pb).arg(&pc).arg(&mi).arg(&ni).arg(&ki);
-            // SAFETY: the argument list matches the kernels' signature (three float pointers,
-            // three ints) and the buffers were checked above to hold A, B and C in full.
-            unsafe { launch.launch(cfg) }.map(drop)
-        })?;
+        function.launch(stream, cfg, (pa, pb, pc, mi, ni, ki))?;
         Ok(kind)
     }
 
@@ -213,12 +204,7 @@ impl Kernels {
         need("bias_act bias", bias, [1, cols])?;
         let (py, pb, act) = (y.device_address(), bias.device_address(), i32::from(relu));
         let cfg = grid_stride((rows * cols) as u64);
-        traced("cuLaunchKernel", 0, || {
-            let mut launch = stream.launch_builder(&self.bias_act);
-            launch.arg(&py).arg(&pb).arg(&ri).arg(&ci).arg(&act);
-            // SAFETY: matches `bias_act(float*, const float*, int, int, int)`; sizes checked.
-            unsafe { launch.launch(cfg) }.map(drop)
-        })
+        self.bias_act.launch(stream, cfg, (py, pb, ri, ci, act))
     }
 
     /// Enqueues a fill of every whole `f32` in `buffer` with `value` (NaN poisons outputs).
@@ -233,13 +219,8 @@ impl Kernels {
             return Ok(());
         }
         let ptr = buffer.device_address();
-        traced("cuLaunchKernel", 0, || {
-            let mut launch = stream.launch_builder(&self.fill);
-            launch.arg(&ptr).arg(&count).arg(&value);
-            // SAFETY: matches `fill_f32(float*, unsigned long long, float)`; `count` floats fit
-            // in the buffer by construction.
-            unsafe { launch.launch(grid_stride(count)) }.map(drop)
-        })
+        self.fill
+            .launch(stream, grid_stride(count), (ptr, count, value))
     }
 
     /// Enqueues a write of a seeded pattern to `u32` elements `[first, first + count)` of
@@ -258,13 +239,8 @@ impl Kernels {
             return Ok(());
         }
         let (ptr, first, count) = (buffer.device_address(), first as u64, count as u64);
-        traced("cuLaunchKernel", 0, || {
-            let mut launch = stream.launch_builder(&self.fill_pattern);
-            launch.arg(&ptr).arg(&first).arg(&count).arg(&seed);
-            // SAFETY: matches `fill_pattern_u32(unsigned*, u64, u64, unsigned)`; the range was
-            // checked against the buffer above.
-            unsafe { launch.launch(grid_stride(count)) }.map(drop)
-        })
+        self.fill_pattern
+            .launch(stream, grid_stride(count), (ptr, first, count, seed))
     }
 
     /// Counts the `u32` elements in `[first, first + count)` of `buffer` that differ from the
@@ -283,18 +259,15 @@ impl Kernels {
         }
         let counter = traced("cuMemAllocAsync", 8, || stream.alloc_zeros::<u64>(1))?;
         let (ptr, first, count) = (buffer.device_address(), first as u64, count as u64);
-        traced("cuLaunchKernel", 0, || {
-            let mut launch = stream.launch_builder(&self.count_mismatches);
-            launch
-                .arg(&ptr)
-                .arg(&first)
-                .arg(&count)
-                .arg(&seed)
-                .arg(&counter);
-            // SAFETY: matches `count_pattern_mismatches_u32(const unsigned*, u64, u64, unsigned,
-            // u64*)`; the range was checked above and `counter` is one live u64.
-            unsafe { launch.launch(grid_stride(count)) }.map(drop)
-        })?;
+        {
+            // `counter` is one live u64; event tracking is off, so the guard records nothing.
+            let (out, _record) = counter.device_ptr(stream);
+            self.count_mismatches.launch(
+                stream,
+                grid_stride(count),
+                (ptr, first, count, seed, out),
+            )?;
+        }
         let host = traced("cuMemcpyDtoHAsync", 8, || stream.clone_dtoh(&counter))?;
         Ok(host[0])
     }
@@ -313,52 +286,20 @@ impl Kernels {
             return Ok(());
         }
         let ptr = buffer.device_address();
-        traced("cuLaunchKernel", 0, || {
-            let mut launch = stream.launch_builder(&self.affine);
-            launch.arg(&ptr).arg(&count).arg(&a).arg(&b);
-            // SAFETY: matches `affine_f32(float*, u64, float, float)`; `count` floats fit.
-            unsafe { launch.launch(grid_stride(count)) }.map(drop)
-        })
+        self.affine
+            .launch(stream, grid_stride(count), (ptr, count, a, b))
     }
 
     /// Enqueues a kernel that keeps the GPU busy for `duration`: a stand-in for long work.
     pub fn spin(&self, stream: &Arc<CudaStream>, duration: Duration) -> Result<()> {
         let nanos = u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX);
-        traced("cuLaunchKernel", 0, || {
-            let mut launch = stream.launch_builder(&self.spin);
-            launch.arg(&nanos);
-            // SAFETY: matches `spin_ns(unsigned long long)`; touches no memory.
-            unsafe {
-                launch.launch(LaunchConfig {
-                    grid_dim: (1, 1, 1),
-                    block_dim: (1, 1, 1),
-                    shared_mem_bytes: 0,
-                })
-            }
-            .map(drop)
-        })
+        let single = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (1, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.spin.launch(stream, single, (nanos,))
     }
-}
-
-/// `Err(BufferTooSmall)` unless `[offset, offset + bytes)` lies within `available` bytes;
-/// `Err(InvalidShape)` if the end overflows. The one range check of launchers and copies.
-pub(crate) fn require_range(
-    what: &'static str,
-    available: usize,
-    offset: usize,
-    bytes: usize,
-) -> Result<()> {
-    let needed = offset
-        .checked_add(bytes)
-        .ok_or_else(|| Error::InvalidShape(format!("{what}: {offset} + {bytes} overflows")))?;
-    if needed > available {
-        return Err(Error::BufferTooSmall {
-            what,
-            needed,
-            available,
-        });
-    }
-    Ok(())
 }
 
 /// Checks that `u32` elements `[first, first + count)` lie inside `buffer`.

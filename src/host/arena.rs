@@ -21,18 +21,18 @@ use crate::driver::host::PinnedHost;
 use crate::error::Result;
 
 /// Regions start on this boundary.
-pub const ARENA_ALIGN: usize = 4096;
+pub(crate) const ARENA_ALIGN: usize = 4096;
 
 /// Free-space bookkeeping of an arena: first fit, with neighbours merged on release.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ArenaBook {
+pub(crate) struct ArenaBook {
     capacity: usize,
     /// Free runs `(offset, len)`, sorted by offset, never adjacent.
     free: Vec<(usize, usize)>,
 }
 
 impl ArenaBook {
-    pub fn new(capacity: usize) -> Self {
+    pub(crate) fn new(capacity: usize) -> Self {
         let capacity = capacity - capacity % ARENA_ALIGN;
         Self {
             capacity,
@@ -44,19 +44,19 @@ impl ArenaBook {
         }
     }
 
-    pub fn capacity(&self) -> usize {
+    pub(crate) fn capacity(&self) -> usize {
         self.capacity
     }
 
     /// Rounds a request up to the alignment.
-    pub fn footprint(len: usize) -> Option<usize> {
+    pub(crate) fn footprint(len: usize) -> Option<usize> {
         len.checked_add(ARENA_ALIGN - 1)
             .map(|v| v / ARENA_ALIGN * ARENA_ALIGN)
             .filter(|&v| v > 0)
     }
 
     /// Takes `len` bytes (rounded up) from the first run that holds them.
-    pub fn allocate(&mut self, len: usize) -> Option<usize> {
+    pub(crate) fn allocate(&mut self, len: usize) -> Option<usize> {
         let need = Self::footprint(len)?;
         let index = self.free.iter().position(|&(_, run)| run >= need)?;
         let (offset, run) = self.free[index];
@@ -69,7 +69,7 @@ impl ArenaBook {
     }
 
     /// Gives back a region handed out by [`ArenaBook::allocate`] with the same `len`.
-    pub fn release(&mut self, offset: usize, len: usize) {
+    pub(crate) fn release(&mut self, offset: usize, len: usize) {
         let Some(len) = Self::footprint(len) else {
             return;
         };
@@ -94,17 +94,17 @@ impl ArenaBook {
         }
     }
 
-    pub fn free_bytes(&self) -> usize {
+    pub(crate) fn free_bytes(&self) -> usize {
         self.free.iter().map(|&(_, len)| len).sum()
     }
 
-    pub fn largest_free(&self) -> usize {
+    pub(crate) fn largest_free(&self) -> usize {
         self.free.iter().map(|&(_, len)| len).max().unwrap_or(0)
     }
 }
 
 /// `(offset, len)` of each chunk when `total` bytes move `chunk` bytes at a time.
-pub fn chunk_plan(total: usize, chunk: usize) -> Vec<(usize, usize)> {
+pub(crate) fn chunk_plan(total: usize, chunk: usize) -> Vec<(usize, usize)> {
     if chunk == 0 {
         return Vec::new();
     }
@@ -193,6 +193,12 @@ impl ArenaRegion {
 
     /// Host address of byte `at` of the region.
     pub(crate) fn ptr(&self, at: usize, len: usize) -> Result<*mut u8> {
+        if at.checked_add(len).is_none_or(|end| end > self.len) {
+            return Err(crate::Error::InvalidShape(format!(
+                "{len} bytes at {at} of a {}-byte arena region",
+                self.len
+            )));
+        }
         self.arena.with_memory(|m| m.at(self.offset + at, len))
     }
 }

@@ -1,0 +1,271 @@
+//! Segments: chunks mapped side by side into a block, unmapped back into the cache, and moved
+//! from one block to another (grafting).
+
+use super::{Segment, State};
+use crate::error::{Error, Result};
+use crate::pool::backend::{Backend, MappedRange, Waiter};
+use crate::pool::book::{ChunkId, TenantId};
+use crate::pool::events::{BlockId, EventKind};
+
+impl<B: Backend> State<B> {
+    /// Maps `chunks` side by side into `block` from `offset` bytes on. Commits nothing: on
+    /// failure the mappings made so far are dropped (nothing used them) and the error returned.
+    fn map_run(
+        &self,
+        tenant: TenantId,
+        block: BlockId,
+        mut offset: usize,
+        chunks: &[ChunkId],
+    ) -> Result<Vec<Segment<B>>> {
+        let granularity = self.book.granularity();
+        let state = self.tenants.get(&tenant).expect("checked by the caller");
+        let block_state = state.blocks.get(&block).expect("checked by the caller");
+        let block_offset = block_state.first_granule * granularity;
+        let mut made: Vec<Segment<B>> = Vec::with_capacity(chunks.len());
+        for &chunk in chunks {
+            let memory = self.memory[&chunk].clone();
+            let bytes = self.book.bytes_of(chunk).expect("a live chunk");
+            let mapping =
+                self.backend
+                    .map(&state.reservation, block_offset + offset, &memory, bytes)?;
+            made.push(Segment {
+                chunk,
+                offset,
+                mapping,
+            });
+            offset += bytes;
+        }
+        Ok(made)
+    }
+
+    /// Adds mapped segments to `block` (keeping them in offset order) and logs them.
+    fn commit_segments(
+        &mut self,
+        tenant: TenantId,
+        block: BlockId,
+        made: Vec<Segment<B>>,
+        reused: impl Fn(ChunkId) -> bool,
+    ) {
+        let logged: Vec<(ChunkId, u64, usize)> = made
+            .iter()
+            .map(|s| (s.chunk, s.mapping.ptr(), s.mapping.bytes()))
+            .collect();
+        let state = self
+            .tenants
+            .get_mut(&tenant)
+            .expect("checked by the caller");
+        let segments = &mut state
+            .blocks
+            .get_mut(&block)
+            .expect("checked by the caller")
+            .segments;
+        segments.extend(made);
+        segments.sort_by_key(|s| s.offset);
+        let (tenant_mapped, _) = self.book.held_by(tenant);
+        state.peak_mapped = state.peak_mapped.max(tenant_mapped);
+        self.counters.peak_mapped = self.counters.peak_mapped.max(self.book.held());
+        for (chunk, address, bytes) in logged {
+            let kind = EventKind::Map {
+                chunk,
+                block,
+                reused: reused(chunk),
+            };
+            self.log(kind, Some(tenant), address, bytes);
+        }
+    }
+
+    /// Maps `chunks` one after another from the block's current mapped end. All or nothing.
+    pub(super) fn map_chunks(
+        &mut self,
+        tenant: TenantId,
+        block: BlockId,
+        chunks: &[(ChunkId, bool)],
+    ) -> Result<()> {
+        let end = self.block(tenant, block)?.mapped();
+        let ids: Vec<ChunkId> = chunks.iter().map(|&(id, _)| id).collect();
+        match self.map_run(tenant, block, end, &ids) {
+            Ok(made) => {
+                self.commit_segments(tenant, block, made, |id| {
+                    chunks.iter().any(|&(c, reused)| c == id && reused)
+                });
+                Ok(())
+            }
+            Err(error) => {
+                self.give_back_all(chunks);
+                Err(self.refuse(tenant, error))
+            }
+        }
+    }
+
+    /// Unmaps segments (the fence was waited for, unless `fenced` is false: then they are
+    /// leaked) and returns their chunks to the cache.
+    pub(super) fn drop_segments(
+        &mut self,
+        tenant: TenantId,
+        block: BlockId,
+        segments: Vec<Segment<B>>,
+        fenced: bool,
+    ) {
+        for mut segment in segments {
+            let (address, bytes) = (segment.mapping.ptr(), segment.mapping.bytes());
+            if fenced {
+                drop(segment.mapping);
+                let given = self.book.give_back(segment.chunk);
+                debug_assert!(given);
+                self.log_unmap(tenant, block, segment.chunk, address, bytes);
+            } else {
+                segment.mapping.leak_on_drop();
+                drop(segment.mapping);
+                self.book.forget_held(segment.chunk);
+                // The leaked mapping keeps its own count of the memory forever.
+                self.memory.remove(&segment.chunk);
+            }
+        }
+    }
+
+    fn log_unmap(
+        &mut self,
+        tenant: TenantId,
+        block: BlockId,
+        chunk: ChunkId,
+        at: u64,
+        bytes: usize,
+    ) {
+        self.log(EventKind::Unmap { chunk, block }, Some(tenant), at, bytes);
+    }
+
+    /// Moves `donor`'s chunks under the start of `target` without copying: `target`'s chunks
+    /// that overlap `[0, donor's mapped bytes)` go to the cache, the donor's chunks are mapped
+    /// there in order, and the part of the removed chunks' range they do not cover is backed
+    /// again (cache first). The donor block is freed. All or nothing.
+    pub(crate) fn graft(
+        &mut self,
+        tenant: TenantId,
+        target: BlockId,
+        donor: BlockId,
+    ) -> Result<()> {
+        if target == donor {
+            return Err(Error::InvalidShape(
+                "a block cannot be grafted onto itself".into(),
+            ));
+        }
+        let target_info = self.info(tenant, target)?;
+        let donor_info = self.info(tenant, donor)?;
+        if donor_info.len > target_info.len || donor_info.mapped > target_info.capacity {
+            return Err(Error::InvalidShape(format!(
+                "graft of a {}-byte block ({} mapped) onto a {}-byte block ({} reserved)",
+                donor_info.len, donor_info.mapped, target_info.len, target_info.capacity
+            )));
+        }
+        let moved = donor_info.mapped;
+        let target_segments = &self.block(tenant, target)?.segments;
+        let cut = target_segments
+            .iter()
+            .position(|s| s.offset >= moved)
+            .unwrap_or(target_segments.len());
+        let removed_end = target_segments[..cut]
+            .last()
+            .map_or(0, |s| s.offset + s.mapping.bytes());
+        let filler_bytes = removed_end.saturating_sub(moved);
+        let tenant_state = self.tenant(tenant)?;
+        tenant_state.fence.check_not_capturing()?;
+        // Both blocks may be in use: the GPU must be done with them before anything moves.
+        tenant_state.fence.wait()?;
+        // New backing for the gap first, so a refusal changes nothing.
+        let filler = if filler_bytes > 0 {
+            self.acquire(tenant, filler_bytes, filler_bytes)?
+        } else {
+            Vec::new()
+        };
+        // Unmap the donor's segments and the target's covered ones; their chunks stay held.
+        let tenant_state = self.tenants.get_mut(&tenant).expect("checked above");
+        let donor_segments = std::mem::take(
+            &mut tenant_state
+                .blocks
+                .get_mut(&donor)
+                .expect("checked above")
+                .segments,
+        );
+        let target_block = tenant_state.blocks.get_mut(&target).expect("checked above");
+        let removed: Vec<Segment<B>> = target_block.segments.drain(..cut).collect();
+        let donor_chunks: Vec<ChunkId> = donor_segments.iter().map(|s| s.chunk).collect();
+        let removed_chunks: Vec<(ChunkId, usize)> =
+            removed.iter().map(|s| (s.chunk, s.offset)).collect();
+        let unmapped: Vec<(BlockId, ChunkId, u64, usize)> = donor_segments
+            .iter()
+            .map(|s| (donor, s.chunk, s.mapping.ptr(), s.mapping.bytes()))
+            .chain(
+                removed
+                    .iter()
+                    .map(|s| (target, s.chunk, s.mapping.ptr(), s.mapping.bytes())),
+            )
+            .collect();
+        drop(donor_segments); // unmaps, after the fence
+        drop(removed);
+        let filler_ids: Vec<ChunkId> = filler.iter().map(|&(id, _)| id).collect();
+        let mapped = self
+            .map_run(tenant, target, 0, &donor_chunks)
+            .and_then(|front| {
+                let back = self.map_run(tenant, target, moved, &filler_ids)?;
+                Ok((front, back))
+            });
+        let (front, back) = match mapped {
+            Ok(made) => made,
+            Err(error) => {
+                self.give_back_all(&filler);
+                self.undo_graft(tenant, target, donor, &removed_chunks, &donor_chunks);
+                return Err(self.refuse(tenant, error));
+            }
+        };
+        for (block, chunk, at, bytes) in unmapped {
+            self.log_unmap(tenant, block, chunk, at, bytes);
+        }
+        for (chunk, _) in removed_chunks {
+            let given = self.book.give_back(chunk);
+            debug_assert!(given);
+        }
+        self.commit_segments(tenant, target, front, |_| false);
+        self.commit_segments(tenant, target, back, |id| {
+            filler.iter().any(|&(c, reused)| c == id && reused)
+        });
+        // The donor is empty now: free its addresses.
+        self.free(tenant, donor)
+    }
+
+    /// Maps the pieces of an interrupted graft back where they were. Best effort: what cannot
+    /// be mapped back goes to the cache, and the block's length shrinks to what is mapped.
+    fn undo_graft(
+        &mut self,
+        tenant: TenantId,
+        target: BlockId,
+        donor: BlockId,
+        removed: &[(ChunkId, usize)],
+        donor_chunks: &[ChunkId],
+    ) {
+        let removed_ids: Vec<ChunkId> = removed.iter().map(|&(id, _)| id).collect();
+        let first = removed.first().map_or(0, |&(_, offset)| offset);
+        let back = [
+            (target, first, removed_ids.as_slice()),
+            (donor, 0, donor_chunks),
+        ];
+        for (block, offset, chunks) in back {
+            match self.map_run(tenant, block, offset, chunks) {
+                Ok(made) => self.commit_segments(tenant, block, made, |_| false),
+                Err(error) => {
+                    tracing::error!(%error, "could not map a block's chunks back after a failed graft");
+                    for &chunk in chunks {
+                        self.book.give_back(chunk);
+                    }
+                    let mapped = self.block(tenant, block).map_or(0, |b| b.mapped());
+                    if let Some(state) = self
+                        .tenants
+                        .get_mut(&tenant)
+                        .and_then(|t| t.blocks.get_mut(&block))
+                    {
+                        state.len = state.len.min(mapped);
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,99 @@
+//! [`Snapshot`]: one physical allocation laid out like a region's span (a weight set).
+
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::CudaContext;
+
+use crate::driver;
+use crate::driver::vmm::{Mapping, Physical};
+use crate::error::Result;
+
+/// A weight set: ONE physical allocation laid out like its region's used span, so binding it is
+/// one mapping whatever the number of allocations. Cheap to clone; the memory lives while any
+/// clone, or the region it is bound in, holds it.
+///
+/// It can also be mapped at a private home address ([`Snapshot::home_ptr`]) to be read or
+/// written whether or not it is bound.
+#[derive(Clone, Debug)]
+pub struct Snapshot {
+    pub(super) inner: Arc<SnapshotInner>,
+}
+
+#[derive(Debug)]
+pub(super) struct SnapshotInner {
+    pub(super) id: u64,
+    pub(super) region_id: u64,
+    ctx: Arc<CudaContext>,
+    access: Vec<usize>,
+    // Field order is drop order: the home mapping goes before the memory it maps.
+    home: Mutex<Option<Mapping>>,
+    pub(super) physical: Arc<Physical>,
+}
+
+impl Snapshot {
+    pub(super) fn new(
+        id: u64,
+        region_id: u64,
+        ctx: &Arc<CudaContext>,
+        physical: Arc<Physical>,
+        access: &[usize],
+    ) -> Self {
+        Self {
+            inner: Arc::new(SnapshotInner {
+                id,
+                region_id,
+                ctx: ctx.clone(),
+                access: access.to_vec(),
+                home: Mutex::new(None),
+                physical,
+            }),
+        }
+    }
+
+    /// Unique for the life of the process.
+    pub fn id(&self) -> u64 {
+        self.inner.id
+    }
+
+    /// The id of the region it was taken from (and can be bound into).
+    pub fn region_id(&self) -> u64 {
+        self.inner.region_id
+    }
+
+    /// Bytes of physical memory: the region's used span when it was taken.
+    pub fn bytes(&self) -> usize {
+        self.inner.physical.bytes()
+    }
+
+    /// The snapshot's private address, mapped on first use (one map and set-access). Work
+    /// enqueued there must be finished before the last handle drops: dropping waits for the
+    /// whole context first.
+    pub fn home_ptr(&self) -> Result<u64> {
+        let mut home = self.inner.home.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(mapping) = home.as_ref() {
+            return Ok(mapping.ptr());
+        }
+        let mapping = Mapping::alone(&self.inner.ctx, &self.inner.physical, &self.inner.access)?;
+        let ptr = mapping.ptr();
+        *home = Some(mapping);
+        Ok(ptr)
+    }
+
+    /// Whether `self` and `other` are handles to the same memory.
+    pub fn same_as(&self, other: &Snapshot) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+}
+
+impl Drop for SnapshotInner {
+    fn drop(&mut self) {
+        let home = self.home.get_mut().unwrap_or_else(|p| p.into_inner());
+        if let Some(mapping) = home {
+            // Work on the home address is not tracked: wait for everything before unmapping.
+            if let Err(error) = driver::synchronize_context(&self.ctx) {
+                tracing::error!(%error, snapshot = self.id, "waiting before unmapping a snapshot failed; leaking it");
+                mapping.leak_on_drop();
+            }
+        }
+    }
+}

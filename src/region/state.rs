@@ -1,0 +1,610 @@
+//! A region's state behind its lock, and every operation that maps, unmaps or copies.
+//!
+//! Each operation checks and plans first, then calls the driver, then commits; on an error it
+//! undoes its own driver work, so the region is as it was.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{CudaContext, CudaStream};
+
+use super::book::RegionBook;
+use super::snapshot::Snapshot;
+use super::RegionStats;
+use crate::driver;
+use crate::driver::vmm::{Mapping, Physical, Reservation};
+use crate::error::{Error, Result};
+use crate::fence::Fence;
+use crate::host::{self, HostCopy, HostStorage, Piece, StorageUsed, TransferReport};
+use crate::ids::next_id;
+use crate::pool::{BlockId, ChunkId, Event, EventKind, EventLog, TenantId};
+
+/// What the consolidated span is backed by while awake and bound.
+#[derive(Debug)]
+struct SpanBinding {
+    snapshot: Snapshot,
+    mapping: Mapping,
+}
+
+/// While asleep: the saved bytes and where they came from.
+#[derive(Debug)]
+struct Sleeping {
+    copy: HostCopy,
+    /// `(offset in the region, offset in the host copy, bytes)` of every saved run.
+    runs: Vec<(usize, usize, usize)>,
+}
+
+/// The fixed facts of a region, shared by its state's operations.
+#[derive(Debug)]
+pub(super) struct Fixed {
+    pub id: u64,
+    pub tag: String,
+    pub ctx: Arc<CudaContext>,
+    pub access: Vec<usize>,
+    pub granularity: usize,
+    pub reservation: Arc<Reservation>,
+}
+
+#[derive(Debug)]
+pub(super) struct RegionState {
+    book: RegionBook,
+    /// Chunks of the allocations the span does not back, by offset.
+    pieces: BTreeMap<usize, Mapping>,
+    span: Option<SpanBinding>,
+    /// Set by `unbind`: the span is deliberately unmapped.
+    unbound: bool,
+    sleeping: Option<Sleeping>,
+    pub(super) fence: Fence,
+    events: EventLog,
+    next_chunk: u32,
+}
+
+/// Event times of all regions count from one origin, so regions share a timeline.
+fn epoch() -> Instant {
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    *EPOCH.get_or_init(Instant::now)
+}
+
+impl RegionState {
+    pub fn new(fixed: &Fixed, fence: Fence) -> Self {
+        let mut state = Self {
+            book: RegionBook::new(fixed.reservation.bytes(), fixed.granularity),
+            pieces: BTreeMap::new(),
+            span: None,
+            unbound: false,
+            sleeping: None,
+            fence,
+            events: EventLog::new(1 << 14),
+            next_chunk: 0,
+        };
+        let name: Arc<str> = Arc::from(fixed.tag.as_str());
+        state.log(
+            fixed,
+            EventKind::Register { name },
+            0,
+            fixed.reservation.bytes(),
+        );
+        state
+    }
+
+    fn log(&mut self, fixed: &Fixed, kind: EventKind, offset: usize, bytes: usize) {
+        self.events.push(Event {
+            at: epoch().elapsed(),
+            kind,
+            tenant: Some(TenantId(fixed.id as u32)),
+            address: fixed.reservation.base() + offset as u64,
+            bytes,
+        });
+    }
+
+    fn log_map(&mut self, fixed: &Fixed, offset: usize, bytes: usize, map: bool) {
+        let chunk = ChunkId(self.next_chunk);
+        self.next_chunk = self.next_chunk.wrapping_add(1);
+        let block = BlockId(offset as u64);
+        let kind = if map {
+            EventKind::Map {
+                chunk,
+                block,
+                reused: false,
+            }
+        } else {
+            EventKind::Unmap { chunk, block }
+        };
+        self.log(fixed, kind, offset, bytes);
+    }
+
+    pub fn events(&self) -> Vec<Event> {
+        self.events.events().cloned().collect()
+    }
+
+    /// `Err(RegionAsleep)` or `Err(Unbound)` unless graphs over the region may replay.
+    pub fn check_replayable(&self, fixed: &Fixed) -> Result<()> {
+        if self.sleeping.is_some() {
+            return Err(Error::RegionAsleep {
+                tag: fixed.tag.clone(),
+            });
+        }
+        if self.unbound {
+            return Err(Error::Unbound {
+                group: fixed.tag.clone(),
+            });
+        }
+        Ok(())
+    }
+
+    pub fn is_asleep(&self) -> bool {
+        self.sleeping.is_some()
+    }
+
+    pub fn allocation_at(&self, fixed: &Fixed, address: u64) -> Option<(u64, usize)> {
+        let offset = offset_of(fixed, address)?;
+        self.book
+            .containing(offset)
+            .map(|(start, a)| (fixed.reservation.base() + start as u64, a.asked))
+    }
+
+    /// `Ok` if `[address, address + bytes)` lies inside one live allocation and is mapped now.
+    pub fn require_mapped(&self, fixed: &Fixed, address: u64, bytes: usize) -> Result<()> {
+        self.check_replayable(fixed)?;
+        let offset = offset_of(fixed, address).ok_or(Error::UnknownAllocation { address })?;
+        let (start, allocation) = self
+            .book
+            .containing(offset)
+            .ok_or(Error::UnknownAllocation { address })?;
+        crate::buffer::require_range("region copy", allocation.rounded, offset - start, bytes)
+    }
+
+    pub fn alloc(&mut self, fixed: &Fixed, bytes: usize) -> Result<u64> {
+        self.check_replayable(fixed)?;
+        if bytes == 0 {
+            return Err(Error::InvalidShape(format!(
+                "region `{}`: an allocation of 0 bytes",
+                fixed.tag
+            )));
+        }
+        let placement = self
+            .book
+            .place(bytes)
+            .map_err(|largest| Error::VirtualCapacity {
+                tenant: fixed.tag.clone(),
+                asked: bytes,
+                capacity: fixed.reservation.bytes(),
+                largest_free_run: largest,
+            })?;
+        if !placement.backed {
+            let mapped = Physical::new(&fixed.ctx, placement.rounded, false).and_then(|memory| {
+                Mapping::new(
+                    &fixed.reservation,
+                    placement.offset,
+                    &Arc::new(memory),
+                    0,
+                    placement.rounded,
+                    &fixed.access,
+                )
+            });
+            match mapped {
+                Ok(mapping) => {
+                    self.pieces.insert(placement.offset, mapping);
+                    self.log_map(fixed, placement.offset, placement.rounded, true);
+                }
+                Err(error) => {
+                    self.book.release(placement.offset);
+                    return Err(error);
+                }
+            }
+        }
+        let block = BlockId(placement.offset as u64);
+        self.log(
+            fixed,
+            EventKind::Alloc { block },
+            placement.offset,
+            placement.rounded,
+        );
+        Ok(fixed.reservation.base() + placement.offset as u64)
+    }
+
+    pub fn free(&mut self, fixed: &Fixed, address: u64) -> Result<usize> {
+        let unknown = || Error::UnknownAllocation { address };
+        let offset = offset_of(fixed, address).ok_or_else(unknown)?;
+        let allocation = self.book.get(offset).ok_or_else(unknown)?;
+        let own_chunk = self.pieces.contains_key(&offset);
+        if own_chunk {
+            // The chunk is unmapped below: nothing may still use it.
+            self.fence.wait()?;
+        }
+        self.book.release(offset);
+        if let Some(mapping) = self.pieces.remove(&offset) {
+            drop(mapping); // unmaps; the chunk is released with its last handle
+            self.log_map(fixed, offset, allocation.rounded, false);
+        }
+        if let Some(sleeping) = &mut self.sleeping {
+            // Nothing is restored for it on wake.
+            sleeping.runs = clip_runs(&sleeping.runs, &self.book.live_runs());
+        }
+        let block = BlockId(offset as u64);
+        self.log(fixed, EventKind::Free { block }, offset, allocation.rounded);
+        Ok(allocation.asked)
+    }
+
+    /// Saves every live allocation, then releases all physical memory under the region.
+    pub fn sleep(
+        &mut self,
+        fixed: &Fixed,
+        storage: &HostStorage,
+        stream: &Arc<CudaStream>,
+    ) -> Result<TransferReport> {
+        let start = Instant::now();
+        if self.sleeping.is_some() {
+            return Ok(report(fixed, 0, start, StorageUsed::Discarded));
+        }
+        if self.unbound {
+            return Err(Error::Unbound {
+                group: fixed.tag.clone(),
+            });
+        }
+        self.fence.wait()?;
+        let base = fixed.reservation.base();
+        let mut runs = Vec::new();
+        let mut host_offset = 0;
+        for (offset, bytes) in self.book.live_runs() {
+            runs.push((offset, host_offset, bytes));
+            host_offset += bytes;
+        }
+        let pieces: Vec<Piece> = runs
+            .iter()
+            .map(|&(offset, host_offset, bytes)| Piece {
+                device: base + offset as u64,
+                host_offset,
+                bytes,
+            })
+            .collect();
+        let copy = host::copy::save_pieces(storage, stream, &pieces)?;
+        let used = copy.storage();
+        let mut unmapped = Vec::new();
+        if let Some(span) = self.span.take() {
+            unmapped.push((0, span.mapping.bytes()));
+        }
+        for (&offset, mapping) in &self.pieces {
+            unmapped.push((offset, mapping.bytes()));
+        }
+        self.pieces.clear(); // unmaps and releases, after the fence above
+        for (offset, bytes) in unmapped {
+            self.log_map(fixed, offset, bytes, false);
+        }
+        self.book.set_consolidated(0);
+        self.sleeping = Some(Sleeping { copy, runs });
+        Ok(report(fixed, host_offset, start, used))
+    }
+
+    /// Backs the used span with ONE new allocation and copies the saved bytes back.
+    pub fn wake(&mut self, fixed: &Fixed, stream: &Arc<CudaStream>) -> Result<TransferReport> {
+        let start = Instant::now();
+        let Some(sleeping) = &self.sleeping else {
+            return Ok(report(fixed, 0, start, StorageUsed::Arena));
+        };
+        let used = sleeping.copy.storage();
+        let span = self.book.span_end();
+        let mut restored = 0;
+        if span > 0 {
+            let binding = match new_span_binding(fixed, span) {
+                Err(Error::OutOfMemory { .. }) => {
+                    let free = driver::memory_info(&fixed.ctx).map_or(0, |(free, _)| free);
+                    return Err(Error::RestoreOutOfMemory {
+                        dataset: fixed.id,
+                        asked: span,
+                        free,
+                    });
+                }
+                other => other?,
+            };
+            let base = fixed.reservation.base();
+            let pieces: Vec<Piece> = sleeping
+                .runs
+                .iter()
+                .map(|&(offset, host_offset, bytes)| Piece {
+                    device: base + offset as u64,
+                    host_offset,
+                    bytes,
+                })
+                .collect();
+            restored = pieces.iter().map(|p| p.bytes).sum();
+            // On failure `binding` drops here: unmapped at once, nothing used it yet.
+            host::copy::load_pieces(&sleeping.copy, stream, &pieces)?;
+            self.span = Some(binding);
+            self.book.set_consolidated(span);
+            self.log_map(fixed, 0, span, true);
+        }
+        self.sleeping = None; // the host copy goes back to its arena
+        Ok(report(fixed, restored, start, used))
+    }
+
+    /// Folds every piece (and a span shorter than the used span) into one allocation under one
+    /// mapping. All or nothing: the old backing is mapped back if the new one cannot be.
+    fn consolidate(&mut self, fixed: &Fixed, stream: &Arc<CudaStream>) -> Result<()> {
+        let span_end = self.book.span_end();
+        let current = self.span.as_ref().map_or(0, |s| s.mapping.bytes());
+        if self.pieces.is_empty() && current == span_end {
+            return Ok(());
+        }
+        let physical = Arc::new(Physical::new(&fixed.ctx, span_end, false)?);
+        let target = Snapshot::new(
+            next_id(),
+            fixed.id,
+            &fixed.ctx,
+            physical.clone(),
+            &fixed.access,
+        );
+        let home = target.home_ptr()?;
+        // Every earlier use of the region must be done before its bytes are read and unmapped.
+        self.fence.wait()?;
+        let base = fixed.reservation.base();
+        for (offset, bytes) in self.book.live_runs() {
+            driver::copy_device(stream, base + offset as u64, home + offset as u64, bytes)?;
+        }
+        driver::synchronize_stream(stream)?;
+        // Unmap the old backing, keeping its memory to map back on failure.
+        let old_span = self.span.take();
+        let old_pieces = std::mem::take(&mut self.pieces);
+        let keep_span = old_span.as_ref().map(|s| s.snapshot.clone());
+        let keep_pieces: Vec<(usize, Arc<Physical>)> = old_pieces
+            .iter()
+            .map(|(&offset, m)| (offset, m.physical().clone()))
+            .collect();
+        let unmapped: Vec<(usize, usize)> = old_span
+            .iter()
+            .map(|s| (0, s.mapping.bytes()))
+            .chain(old_pieces.iter().map(|(&o, m)| (o, m.bytes())))
+            .collect();
+        drop(old_span);
+        drop(old_pieces);
+        match Mapping::new(&fixed.reservation, 0, &physical, 0, span_end, &fixed.access) {
+            Ok(mapping) => {
+                for (offset, bytes) in unmapped {
+                    self.log_map(fixed, offset, bytes, false);
+                }
+                self.log_map(fixed, 0, span_end, true);
+                self.span = Some(SpanBinding {
+                    snapshot: target,
+                    mapping,
+                });
+                self.book.set_consolidated(span_end);
+                Ok(())
+            }
+            Err(error) => {
+                if let Err(restore) = self.map_back(fixed, keep_span, keep_pieces) {
+                    tracing::error!(%restore, region = %fixed.tag, "could not map the old backing back");
+                }
+                Err(error)
+            }
+        }
+    }
+
+    fn map_back(
+        &mut self,
+        fixed: &Fixed,
+        span: Option<Snapshot>,
+        pieces: Vec<(usize, Arc<Physical>)>,
+    ) -> Result<()> {
+        if let Some(snapshot) = span {
+            let bytes = snapshot.bytes();
+            let physical = snapshot.inner.physical.clone();
+            let mapping = Mapping::new(&fixed.reservation, 0, &physical, 0, bytes, &fixed.access)?;
+            self.span = Some(SpanBinding { snapshot, mapping });
+        }
+        for (offset, physical) in pieces {
+            let bytes = physical.bytes();
+            let mapping = Mapping::new(
+                &fixed.reservation,
+                offset,
+                &physical,
+                0,
+                bytes,
+                &fixed.access,
+            )?;
+            self.pieces.insert(offset, mapping);
+        }
+        Ok(())
+    }
+
+    pub fn snapshot(&mut self, fixed: &Fixed, stream: &Arc<CudaStream>) -> Result<Snapshot> {
+        self.check_replayable(fixed)?;
+        let span_end = self.book.span_end();
+        if span_end == 0 {
+            return Err(Error::InvalidShape(format!(
+                "region `{}` has no allocations to snapshot",
+                fixed.tag
+            )));
+        }
+        self.consolidate(fixed, stream)?;
+        let physical = Arc::new(Physical::new(&fixed.ctx, span_end, false)?);
+        let snapshot = Snapshot::new(next_id(), fixed.id, &fixed.ctx, physical, &fixed.access);
+        let home = snapshot.home_ptr()?;
+        // The span is one mapping now: one copy.
+        driver::copy_device(stream, fixed.reservation.base(), home, span_end)?;
+        driver::synchronize_stream(stream)?;
+        Ok(snapshot)
+    }
+
+    pub fn bound(&self) -> Option<Snapshot> {
+        self.span.as_ref().map(|s| s.snapshot.clone())
+    }
+
+    pub fn bind(&mut self, fixed: &Fixed, snapshot: &Snapshot) -> Result<()> {
+        let mismatch = |reason: &str| Error::SnapshotMismatch {
+            tag: fixed.tag.clone(),
+            reason: reason.into(),
+        };
+        if snapshot.region_id() != fixed.id {
+            return Err(mismatch("the snapshot was taken from another region"));
+        }
+        if self.sleeping.is_some() {
+            return Err(Error::RegionAsleep {
+                tag: fixed.tag.clone(),
+            });
+        }
+        if self
+            .span
+            .as_ref()
+            .is_some_and(|s| s.snapshot.same_as(snapshot))
+        {
+            return Ok(());
+        }
+        if !self.pieces.is_empty() || snapshot.bytes() < self.book.span_end() {
+            return Err(mismatch(
+                "the region has allocations past the snapshot's span (take a new snapshot)",
+            ));
+        }
+        self.fence.wait()?;
+        let old = self.span.take();
+        let old_bytes = old.as_ref().map(|s| s.mapping.bytes());
+        let keep = old.as_ref().map(|s| s.snapshot.clone());
+        drop(old); // unmaps, after the fence
+        let bytes = snapshot.bytes();
+        let physical = snapshot.inner.physical.clone();
+        match Mapping::new(&fixed.reservation, 0, &physical, 0, bytes, &fixed.access) {
+            Ok(mapping) => {
+                if let Some(old_bytes) = old_bytes {
+                    self.log_map(fixed, 0, old_bytes, false);
+                }
+                self.log_map(fixed, 0, bytes, true);
+                self.span = Some(SpanBinding {
+                    snapshot: snapshot.clone(),
+                    mapping,
+                });
+                self.book.set_consolidated(bytes);
+                self.unbound = false;
+                Ok(())
+            }
+            Err(error) => {
+                if let Err(restore) = self.map_back(fixed, keep, Vec::new()) {
+                    tracing::error!(%restore, region = %fixed.tag, "could not map the old snapshot back");
+                    self.unbound = true;
+                }
+                Err(error)
+            }
+        }
+    }
+
+    pub fn unbind(&mut self, fixed: &Fixed) -> Result<()> {
+        if self.sleeping.is_some() {
+            return Err(Error::RegionAsleep {
+                tag: fixed.tag.clone(),
+            });
+        }
+        if !self.pieces.is_empty() {
+            return Err(Error::SnapshotMismatch {
+                tag: fixed.tag.clone(),
+                reason: "allocations past the span have no snapshot to bind back: take one first"
+                    .into(),
+            });
+        }
+        if self.unbound {
+            return Ok(());
+        }
+        self.fence.wait()?;
+        if let Some(span) = self.span.take() {
+            let bytes = span.mapping.bytes();
+            drop(span);
+            self.log_map(fixed, 0, bytes, false);
+        }
+        self.unbound = true;
+        Ok(())
+    }
+
+    pub fn stats(&self, fixed: &Fixed) -> RegionStats {
+        let (allocations, allocated) = self.book.allocated();
+        let span_mapped = self.span.as_ref().map_or(0, |s| s.mapping.bytes());
+        let pieces_mapped: usize = self.pieces.values().map(Mapping::bytes).sum();
+        RegionStats {
+            tag: fixed.tag.clone(),
+            reserved: fixed.reservation.bytes(),
+            allocated,
+            allocations,
+            span: self.book.span_end(),
+            mapped: span_mapped + pieces_mapped,
+            mappings: self.pieces.len() + usize::from(self.span.is_some()),
+            asleep: self.sleeping.is_some(),
+            host_bytes: self
+                .sleeping
+                .as_ref()
+                .map_or(0, |s| s.runs.iter().map(|r| r.2).sum()),
+        }
+    }
+
+    /// Unmaps everything (for the region's drop); leaks it if the GPU may still use it.
+    pub fn release_all(&mut self, fixed: &Fixed) {
+        if let Err(error) = self.fence.wait() {
+            tracing::error!(%error, region = %fixed.tag, "waiting for the GPU before freeing a region failed; leaking it");
+            if let Some(span) = &mut self.span {
+                span.mapping.leak_on_drop();
+            }
+            self.pieces.values_mut().for_each(Mapping::leak_on_drop);
+        }
+        self.span = None;
+        self.pieces.clear();
+    }
+}
+
+/// One new allocation of `bytes`, mapped at the region's base.
+fn new_span_binding(fixed: &Fixed, bytes: usize) -> Result<SpanBinding> {
+    let physical = Arc::new(Physical::new(&fixed.ctx, bytes, false)?);
+    let mapping = Mapping::new(&fixed.reservation, 0, &physical, 0, bytes, &fixed.access)?;
+    let snapshot = Snapshot::new(next_id(), fixed.id, &fixed.ctx, physical, &fixed.access);
+    Ok(SpanBinding { snapshot, mapping })
+}
+
+fn offset_of(fixed: &Fixed, address: u64) -> Option<usize> {
+    let base = fixed.reservation.base();
+    (address >= base && address < base + fixed.reservation.bytes() as u64)
+        .then(|| (address - base) as usize)
+}
+
+/// The parts of saved `runs` that still hold live allocations.
+fn clip_runs(
+    runs: &[(usize, usize, usize)],
+    live: &[(usize, usize)],
+) -> Vec<(usize, usize, usize)> {
+    let mut out = Vec::new();
+    for &(offset, host, bytes) in runs {
+        for &(live_offset, live_bytes) in live {
+            let lo = offset.max(live_offset);
+            let hi = (offset + bytes).min(live_offset + live_bytes);
+            if lo < hi {
+                out.push((lo, host + (lo - offset), hi - lo));
+            }
+        }
+    }
+    out
+}
+
+fn report(fixed: &Fixed, bytes: usize, start: Instant, storage: StorageUsed) -> TransferReport {
+    let report = TransferReport {
+        dataset: fixed.id,
+        bytes,
+        elapsed: if bytes == 0 {
+            Duration::ZERO
+        } else {
+            start.elapsed()
+        },
+        storage,
+    };
+    tracing::info!(region = %fixed.tag, bytes, gb_per_s = report.gb_per_s(), ?storage, "region transfer");
+    report
+}
+
+#[cfg(test)]
+mod tests {
+    use super::clip_runs;
+
+    #[test]
+    fn clipping_keeps_only_live_bytes_with_their_host_offsets() {
+        let saved = [(0, 0, 8), (16, 8, 4)];
+        assert_eq!(clip_runs(&saved, &[(0, 8), (16, 4)]), saved);
+        assert_eq!(
+            clip_runs(&saved, &[(2, 2), (18, 2)]),
+            [(2, 2, 2), (18, 10, 2)]
+        );
+        assert!(clip_runs(&saved, &[(8, 8)]).is_empty());
+    }
+}

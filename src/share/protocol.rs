@@ -1,0 +1,144 @@
+//! The wire format of dataset sharing: framed, versioned messages. Pure encoding and decoding,
+//! no sockets and no CUDA, so every byte rule is tested on the CPU.
+//!
+//! A frame is a 4-byte little-endian length, then the message: magic `SBUF`, version `u16`,
+//! kind `u8`, then the kind's fields (integers little-endian, strings as `u16` length + UTF-8).
+
+use crate::error::ProtocolError;
+
+const MAGIC: &[u8; 4] = b"SBUF";
+/// The protocol version this build speaks.
+pub const PROTOCOL_VERSION: u16 = 1;
+/// Messages larger than this are refused before anything is allocated for them.
+pub const MAX_MESSAGE: usize = 64 << 10;
+
+/// Describes a dataset sent to another process.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Offer {
+    pub layout_fingerprint: u64,
+    pub group: String,
+    /// Bytes of physical memory behind the descriptor.
+    pub bytes: u64,
+    pub granularity: u64,
+    /// `cuDeviceGetUuid` of the producer's device.
+    pub device_uuid: [u8; 16],
+    /// The producer's dataset id (echoed in the Ack).
+    pub dataset: u64,
+}
+
+/// One message of the protocol.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Message {
+    Offer(Offer),
+    Ack { dataset: u64 },
+    Reject { reason: String },
+}
+
+struct Reader<'a> {
+    bytes: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], ProtocolError> {
+        let end = self.at + n;
+        if end > self.bytes.len() {
+            return Err(ProtocolError::Truncated {
+                needed: end,
+                got: self.bytes.len(),
+            });
+        }
+        let out = &self.bytes[self.at..end];
+        self.at = end;
+        Ok(out)
+    }
+    fn u8(&mut self) -> Result<u8, ProtocolError> {
+        Ok(self.take(1)?[0])
+    }
+    fn u16(&mut self) -> Result<u16, ProtocolError> {
+        Ok(u16::from_le_bytes(
+            self.take(2)?.try_into().expect("2 bytes"),
+        ))
+    }
+    fn u64(&mut self) -> Result<u64, ProtocolError> {
+        Ok(u64::from_le_bytes(
+            self.take(8)?.try_into().expect("8 bytes"),
+        ))
+    }
+    fn string(&mut self) -> Result<String, ProtocolError> {
+        let len = usize::from(self.u16()?);
+        String::from_utf8(self.take(len)?.to_vec()).map_err(|_| ProtocolError::BadUtf8)
+    }
+}
+
+fn put_string(out: &mut Vec<u8>, s: &str) {
+    let bytes = &s.as_bytes()[..s.len().min(u16::MAX as usize)];
+    out.extend_from_slice(&(bytes.len() as u16).to_le_bytes());
+    out.extend_from_slice(bytes);
+}
+
+impl Message {
+    /// The message body (without the length prefix).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = MAGIC.to_vec();
+        out.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+        match self {
+            Message::Offer(o) => {
+                out.push(1);
+                out.extend_from_slice(&o.layout_fingerprint.to_le_bytes());
+                put_string(&mut out, &o.group);
+                out.extend_from_slice(&o.bytes.to_le_bytes());
+                out.extend_from_slice(&o.granularity.to_le_bytes());
+                out.extend_from_slice(&o.device_uuid);
+                out.extend_from_slice(&o.dataset.to_le_bytes());
+            }
+            Message::Ack { dataset } => {
+                out.push(2);
+                out.extend_from_slice(&dataset.to_le_bytes());
+            }
+            Message::Reject { reason } => {
+                out.push(3);
+                put_string(&mut out, reason);
+            }
+        }
+        out
+    }
+
+    /// Parses a message body.
+    pub fn decode(bytes: &[u8]) -> Result<Message, ProtocolError> {
+        let mut r = Reader { bytes, at: 0 };
+        if r.take(4)? != MAGIC {
+            return Err(ProtocolError::BadMagic);
+        }
+        let version = r.u16()?;
+        if version != PROTOCOL_VERSION {
+            return Err(ProtocolError::Version {
+                got: version,
+                supported: PROTOCOL_VERSION,
+            });
+        }
+        Ok(match r.u8()? {
+            1 => Message::Offer(Offer {
+                layout_fingerprint: r.u64()?,
+                group: r.string()?,
+                bytes: r.u64()?,
+                granularity: r.u64()?,
+                device_uuid: r.take(16)?.try_into().expect("16 bytes"),
+                dataset: r.u64()?,
+            }),
+            2 => Message::Ack { dataset: r.u64()? },
+            3 => Message::Reject {
+                reason: r.string()?,
+            },
+            other => return Err(ProtocolError::UnknownKind(other)),
+        })
+    }
+
+    /// Length prefix + body.
+    pub fn frame(&self) -> Vec<u8> {
+        let body = self.encode();
+        let mut out = (body.len() as u32).to_le_bytes().to_vec();
+        out.extend_from_slice(&body);
+        out
+    }
+}

@@ -1,0 +1,515 @@
+//! Spaces: a reserved address range carved into slots, with datasets bound under its groups.
+//!
+//! ```text
+//!   Space (one cuMemAddressReserve, addresses fixed for its life)
+//!   | group "weights": w1 | w2 | b1 | group "batch": x | y | scratch: tmp |
+//!          ^ bind(dataset W7): one mapping   ^ bind(dataset B3)   ^ the space's own memory
+//! ```
+//!
+//! [`bind`](self::bind) is the one place that maps and unmaps datasets under a space, and it
+//! always waits on the space's [`Fence`] before unmapping. Sleep and wake of a space live with
+//! offloading (`crate::sleep`); graphs see a space only through [`SpaceShared::attach`] and
+//! [`SpaceShared::lock_replayable`].
+
+mod bind;
+mod slot;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use bitvec::vec::BitVec;
+use cudarc::driver::{sys, CudaContext, CudaStream, DeviceRepr};
+
+use crate::dataset::{Binder, Dataset};
+use crate::driver::vmm::{self, Mapping, Physical, Reservation};
+use crate::error::{Error, Result};
+use crate::fence::{Fence, FencePolicy};
+use crate::ids::next_id;
+use crate::layout::{Layout, Placement, Region};
+use crate::strategy::{BindStrategy, CostModel};
+use crate::view::{self, SlotView};
+
+use bind::Backing;
+pub use slot::Slot;
+
+/// Options for [`Space::with_options`].
+#[derive(Clone, Debug, Default)]
+pub struct SpaceOptions {
+    /// How the space waits for the GPU before unmapping (default: the whole context).
+    pub fence: FencePolicy,
+    /// How groups are bound, unless `group_bind` names the group (default: remap).
+    pub bind: BindStrategy,
+    /// Per-group strategies.
+    pub group_bind: HashMap<String, BindStrategy>,
+    /// Create datasets exportable to other processes as POSIX file descriptors
+    /// ([`send_dataset`](crate::send_dataset)).
+    pub shareable: bool,
+    /// The model `BindStrategy::Auto` decides with; `None` calibrates on the device (once per
+    /// process and device).
+    pub cost_model: Option<CostModel>,
+}
+
+impl SpaceOptions {
+    /// How the space waits for the GPU before unmapping.
+    pub fn fence(mut self, fence: FencePolicy) -> Self {
+        self.fence = fence;
+        self
+    }
+
+    /// The strategy of every group not named with [`SpaceOptions::group_bind`].
+    pub fn bind(mut self, strategy: BindStrategy) -> Self {
+        self.bind = strategy;
+        self
+    }
+
+    /// The strategy of group `group`.
+    pub fn group_bind(mut self, group: impl Into<String>, strategy: BindStrategy) -> Self {
+        self.group_bind.insert(group.into(), strategy);
+        self
+    }
+
+    /// Whether datasets can be exported to other processes.
+    pub fn shareable(mut self, shareable: bool) -> Self {
+        self.shareable = shareable;
+        self
+    }
+
+    /// The model `BindStrategy::Auto` decides with (skips calibration).
+    pub fn cost_model(mut self, model: CostModel) -> Self {
+        self.cost_model = Some(model);
+        self
+    }
+}
+
+/// A long-lived virtual address range holding a layout's slots at fixed addresses.
+///
+/// Cloning gives another handle to the same space. The addresses stay reserved until the last
+/// handle, graph and binding is gone.
+#[derive(Clone, Debug)]
+pub struct Space {
+    pub(crate) shared: Arc<SpaceShared>,
+}
+
+#[derive(Debug)]
+pub(crate) struct SpaceState {
+    backings: Vec<Backing>,
+    /// Bit `i` set when group `i` has a dataset's data under it.
+    bound: BitVec,
+    fence: Fence,
+    /// Stream for copy-in binds issued without a stream.
+    copy_stream: Option<Arc<CudaStream>>,
+    /// The scratch region's memory; `None` while the space sleeps (or when it has no scratch).
+    scratch: Option<Mapping>,
+    /// While asleep: the dataset each group had bound when the space went to sleep.
+    sleeping: Option<Vec<Option<u64>>>,
+}
+
+// Field order is drop order: bindings and the scratch mapping (in `state`) are unmapped before
+// the reservation they live in is freed (the mappings also hold the reservation alive).
+#[derive(Debug)]
+pub(crate) struct SpaceShared {
+    id: u64,
+    ctx: Arc<CudaContext>,
+    layout: Layout,
+    placement: Placement,
+    slots: Vec<Slot>,
+    access: Vec<usize>,
+    strategies: Vec<BindStrategy>,
+    shareable: bool,
+    state: Mutex<SpaceState>,
+    reservation: Arc<Reservation>,
+}
+
+/// Held while a graph launch is enqueued: no bind can unmap between the check and the launch.
+pub(crate) struct ReplayLock<'a> {
+    _state: MutexGuard<'a, SpaceState>,
+}
+
+impl Space {
+    /// Reserves addresses for `layout` on `ctx`'s device, and backs its scratch slots.
+    pub fn new(ctx: &Arc<CudaContext>, layout: Layout) -> Result<Self> {
+        Self::with_options(ctx, layout, SpaceOptions::default())
+    }
+
+    /// [`Space::new`] with options: fence policy, bind strategies, shareable datasets.
+    pub fn with_options(
+        ctx: &Arc<CudaContext>,
+        layout: Layout,
+        options: SpaceOptions,
+    ) -> Result<Self> {
+        let granularity = vmm::granularity(ctx, false)?;
+        let placement = layout.place(granularity)?;
+        let reservation = Arc::new(Reservation::new(ctx, placement.total_bytes, granularity)?);
+        let access = vec![ctx.ordinal()];
+        let scratch = match &placement.scratch {
+            Some(region) => Some(map_own(ctx, &reservation, region, &access)?),
+            None => None,
+        };
+        let slots = placement
+            .slots
+            .iter()
+            .map(|p| {
+                Slot::new(
+                    reservation.base() + p.offset as u64,
+                    p.name.clone(),
+                    p.bytes,
+                    p.role,
+                    p.group.map(|g| placement.groups[g].name.clone()),
+                )
+            })
+            .collect();
+        let groups = placement.groups.len();
+        let mut strategies = Vec::with_capacity(groups);
+        let mut backings = Vec::with_capacity(groups);
+        for region in &placement.groups {
+            let mut strategy = options
+                .group_bind
+                .get(&region.name)
+                .copied()
+                .unwrap_or(options.bind);
+            if strategy == BindStrategy::Auto {
+                let model = match options.cost_model {
+                    Some(model) => model,
+                    None => CostModel::for_device(ctx)?,
+                };
+                strategy = model.choose(region.bytes);
+            }
+            backings.push(match strategy {
+                BindStrategy::CopyIn => Backing::CopyIn {
+                    resident: map_own(ctx, &reservation, region, &access)?,
+                    current: None,
+                },
+                _ => Backing::Remap(None),
+            });
+            strategies.push(strategy);
+        }
+        let state = SpaceState {
+            backings,
+            bound: BitVec::repeat(false, groups),
+            fence: Fence::new(ctx, options.fence),
+            copy_stream: None,
+            scratch,
+            sleeping: None,
+        };
+        let id = next_id();
+        tracing::debug!(
+            space = id,
+            base = reservation.base(),
+            bytes = placement.total_bytes,
+            groups,
+            "space created"
+        );
+        Ok(Self {
+            shared: Arc::new(SpaceShared {
+                id,
+                ctx: ctx.clone(),
+                layout,
+                placement,
+                slots,
+                access,
+                strategies,
+                shareable: options.shareable,
+                state: Mutex::new(state),
+                reservation,
+            }),
+        })
+    }
+
+    /// The slot called `name`.
+    pub fn slot(&self, name: &str) -> Result<&Slot> {
+        self.shared.slot(name)
+    }
+
+    /// Every slot, group by group, then scratch.
+    pub fn slots(&self) -> &[Slot] {
+        &self.shared.slots
+    }
+
+    /// The layout the space was made for.
+    pub fn layout(&self) -> &Layout {
+        &self.shared.layout
+    }
+
+    /// Where each slot and group sits.
+    pub fn placement(&self) -> &Placement {
+        &self.shared.placement
+    }
+
+    /// First address of the reserved range.
+    pub fn base(&self) -> sys::CUdeviceptr {
+        self.shared.reservation.base()
+    }
+
+    /// Bytes of address space reserved.
+    pub fn reserved_bytes(&self) -> usize {
+        self.shared.reservation.bytes()
+    }
+
+    /// The CUDA context the space lives in.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.shared.ctx
+    }
+
+    /// Unique for the life of the process.
+    pub fn id(&self) -> u64 {
+        self.shared.id
+    }
+
+    /// Makes a dataset for group `group`: fresh physical memory laid out like the group's slots
+    /// (contents undefined until written).
+    pub fn new_dataset(&self, group: &str) -> Result<Dataset> {
+        let index = self.shared.placement.group_index(group)?;
+        Dataset::new(
+            &self.shared.ctx,
+            &self.shared.layout,
+            &self.shared.placement,
+            index,
+            &self.shared.access,
+            self.shared.shareable,
+        )
+    }
+
+    /// Puts `dataset`'s data under its group's slots, replacing what was there, and returns
+    /// when it is done.
+    ///
+    /// With [`BindStrategy::Remap`]: one unmap, one map and one set-access for the whole group,
+    /// whatever its slot count, after waiting on the space's fence so no work still using the
+    /// previous dataset is cut off. All or nothing: if mapping the new dataset fails, the previous
+    /// one is mapped back and the error is returned.
+    /// With [`BindStrategy::CopyIn`]: the dataset's input slots are copied into the space's own
+    /// memory, after the fence. A copy that fails leaves the group unbound (its memory may hold
+    /// part of the new data), so replays report [`Error::Unbound`] rather than mixing datasets.
+    /// Binding the dataset already bound is a no-op.
+    pub fn bind(&self, dataset: &Dataset) -> Result<()> {
+        self.shared.bind(dataset, None)?;
+        dataset.note_bound_in(self.binder());
+        Ok(())
+    }
+
+    /// Like [`Space::bind`], but a copy-in group's copy is enqueued on `stream` and not waited
+    /// for: work later enqueued on `stream` sees the new data. With
+    /// [`FencePolicy::AttachedStreams`] the copy waits on the GPU (not the host) for the other
+    /// attached streams; with the context fence the host waits first. Remap groups bind exactly
+    /// as with [`Space::bind`].
+    pub fn bind_on(&self, dataset: &Dataset, stream: &Arc<CudaStream>) -> Result<()> {
+        self.shared.bind(dataset, Some(stream))?;
+        dataset.note_bound_in(self.binder());
+        Ok(())
+    }
+
+    fn binder(&self) -> std::sync::Weak<dyn Binder> {
+        let shared: Arc<dyn Binder> = self.shared.clone();
+        Arc::downgrade(&shared)
+    }
+
+    /// For a copy-in group with `dataset` bound: copies the output slots from the space's memory
+    /// into the dataset, on `stream`, and waits. For a remap group outputs are already in the
+    /// dataset and nothing is done.
+    pub fn copy_out(&self, dataset: &Dataset, stream: &Arc<CudaStream>) -> Result<()> {
+        self.shared.copy_out(dataset, stream)
+    }
+
+    /// The strategy group `group` was resolved to (`Remap` or `CopyIn`, never `Auto`).
+    pub fn strategy(&self, group: &str) -> Result<BindStrategy> {
+        Ok(self.shared.strategies[self.shared.placement.group_index(group)?])
+    }
+
+    /// Unmaps group `group` (after waiting on the fence). Replays then fail with
+    /// [`Error::Unbound`] until a dataset is bound again.
+    pub fn unbind(&self, group: &str) -> Result<()> {
+        let index = self.shared.placement.group_index(group)?;
+        self.shared.unbind_group(index, None).map(drop)
+    }
+
+    /// The id of the dataset bound under `group`, if any.
+    pub fn bound_dataset(&self, group: &str) -> Result<Option<u64>> {
+        let index = self.shared.placement.group_index(group)?;
+        Ok(self.shared.lock().backings[index].dataset())
+    }
+
+    /// Whether every group has a dataset bound.
+    pub fn is_fully_bound(&self) -> bool {
+        self.shared.lock().bound.all()
+    }
+
+    /// Records that `stream` may use the space's memory. Only matters with
+    /// [`FencePolicy::AttachedStreams`]; views, copies, captures and replays attach their stream.
+    pub fn attach(&self, stream: &Arc<CudaStream>) {
+        self.shared.attach(stream);
+    }
+
+    /// A typed view of slot `name` for cudarc copies, cuBLAS and kernels. Its group must be bound.
+    pub fn view<T>(&self, name: &str, stream: &Arc<CudaStream>) -> Result<SlotView<'_, T>> {
+        let slot = self.slot(name)?;
+        let mut state = self.shared.lock();
+        self.shared.require_bound(&state, slot)?;
+        state.fence.attach(stream);
+        SlotView::new(slot.device_ptr(), slot.name(), slot.bytes(), stream)
+    }
+
+    /// Copies `data` (exactly the slot's size) into slot `name` through the bound dataset or the
+    /// scratch backing; returns when the copy is done.
+    pub fn write<T: DeviceRepr>(
+        &self,
+        stream: &Arc<CudaStream>,
+        name: &str,
+        data: &[T],
+    ) -> Result<()> {
+        let bytes = self.slot(name)?.bytes();
+        view::write_slot(name, bytes, data, || self.view::<T>(name, stream))
+    }
+
+    /// Copies slot `name` to the host.
+    pub fn read<T: DeviceRepr>(&self, stream: &Arc<CudaStream>, name: &str) -> Result<Vec<T>> {
+        view::read(&self.view::<T>(name, stream)?)
+    }
+
+    /// Whether the space is asleep (scratch released; see `Space::sleep`).
+    pub fn is_asleep(&self) -> bool {
+        self.shared.lock().sleeping.is_some()
+    }
+
+    /// Captures `work` on `stream` as a graph over this space. See
+    /// [`StableGraph::capture`](crate::StableGraph::capture).
+    pub fn capture<F>(&self, stream: &Arc<CudaStream>, work: F) -> Result<crate::StableGraph>
+    where
+        F: FnMut(&Arc<CudaStream>) -> Result<()> + Send + 'static,
+    {
+        crate::StableGraph::capture(stream, &[self], work)
+    }
+}
+
+/// The narrow interface the graph and sleep modules use.
+impl SpaceShared {
+    fn lock(&self) -> MutexGuard<'_, SpaceState> {
+        // Every mutation of the state is all-or-nothing, so a panic elsewhere cannot leave it
+        // half-changed: a poisoned lock still holds consistent state.
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    pub(crate) fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Records that `stream` may use the space's memory.
+    pub(crate) fn attach(&self, stream: &Arc<CudaStream>) {
+        self.lock().fence.attach(stream);
+    }
+
+    /// Checks that a replay may run now (`Err(Asleep)` without scratch memory, `Err(Unbound)`
+    /// naming the first group with nothing bound), attaches `stream`, and holds the space until
+    /// the returned lock drops.
+    pub(crate) fn lock_replayable(&self, stream: &Arc<CudaStream>) -> Result<ReplayLock<'_>> {
+        let mut state = self.lock();
+        self.require_scratch(&state)?;
+        if let Some(index) = state.bound.first_zero() {
+            return Err(Error::Unbound {
+                group: self.placement.groups[index].name.clone(),
+            });
+        }
+        state.fence.attach(stream);
+        Ok(ReplayLock { _state: state })
+    }
+
+    /// The dataset bound under each group (in group order).
+    pub(crate) fn bound_datasets(&self) -> Vec<Option<u64>> {
+        self.lock().backings.iter().map(Backing::dataset).collect()
+    }
+
+    /// Releases the scratch memory after the fence and remembers `bound` until the wake.
+    pub(crate) fn enter_sleep(&self, bound: Vec<Option<u64>>) -> Result<()> {
+        let mut state = self.lock();
+        state.fence.wait()?;
+        state.scratch = None; // unmaps and releases
+        state.sleeping = Some(bound);
+        Ok(())
+    }
+
+    /// While asleep: what each group had bound when the space went to sleep.
+    pub(crate) fn sleeping(&self) -> Option<Vec<Option<u64>>> {
+        self.lock().sleeping.clone()
+    }
+
+    /// New scratch memory at the same addresses (contents undefined), if it has none.
+    pub(crate) fn restore_scratch(&self) -> Result<()> {
+        let mut state = self.lock();
+        if let (None, Some(region)) = (&state.scratch, &self.placement.scratch) {
+            state.scratch = Some(map_own(&self.ctx, &self.reservation, region, &self.access)?);
+        }
+        Ok(())
+    }
+
+    /// Ends the sleep: replays are allowed again.
+    pub(crate) fn leave_sleep(&self) {
+        self.lock().sleeping = None;
+    }
+
+    fn slot(&self, name: &str) -> Result<&Slot> {
+        self.slots
+            .iter()
+            .find(|s| s.name() == name)
+            .ok_or_else(|| Error::UnknownSlot { slot: name.into() })
+    }
+
+    fn require_bound(&self, state: &SpaceState, slot: &Slot) -> Result<()> {
+        match slot.group() {
+            Some(group) => {
+                let index = self.placement.group_index(group)?;
+                if state.bound[index] {
+                    Ok(())
+                } else {
+                    Err(Error::Unbound {
+                        group: group.to_string(),
+                    })
+                }
+            }
+            None => self.require_scratch(state),
+        }
+    }
+
+    fn require_scratch(&self, state: &SpaceState) -> Result<()> {
+        if self.placement.scratch.is_some() && state.scratch.is_none() {
+            return Err(Error::Asleep);
+        }
+        Ok(())
+    }
+}
+
+impl Drop for SpaceShared {
+    fn drop(&mut self) {
+        let state = self
+            .state
+            .get_mut()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Err(error) = state.fence.wait() {
+            // Without proof that the GPU is done, nothing is unmapped: leak instead.
+            tracing::error!(%error, space = self.id, "waiting for the GPU before freeing a space failed; leaking it");
+            state.backings.iter_mut().for_each(Backing::leak_on_drop);
+            if let Some(scratch) = &mut state.scratch {
+                scratch.leak_on_drop();
+            }
+        }
+        state.backings.clear(); // unmaps, before the reservation goes
+        state.scratch = None;
+    }
+}
+
+/// New memory of `region`'s size mapped at its place in the reservation (scratch, copy-in).
+fn map_own(
+    ctx: &Arc<CudaContext>,
+    reservation: &Arc<Reservation>,
+    region: &Region,
+    access: &[usize],
+) -> Result<Mapping> {
+    let physical = Arc::new(Physical::new(ctx, region.bytes, false)?);
+    Mapping::new(
+        reservation,
+        region.offset,
+        &physical,
+        0,
+        region.bytes,
+        access,
+    )
+}
