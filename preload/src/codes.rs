@@ -273,7 +273,10 @@ mod tests {
         assert_eq!(fail.driver_code(), cu::INVALID_VALUE);
         assert_eq!(fail.runtime_code(), cuda::INVALID_VALUE);
         assert_eq!(fail.abi_code(), abi::CUDA);
-        assert_eq!(Fail::from(stablebuf::Error::NoDriver).abi_code(), abi::NO_CUDA);
+        assert_eq!(
+            Fail::from(stablebuf::Error::NoDriver).abi_code(),
+            abi::NO_CUDA
+        );
         assert_eq!(
             Fail::from(stablebuf::Error::BindDuringCapture).runtime_code(),
             cuda::STREAM_CAPTURE_UNSUPPORTED
@@ -282,7 +285,10 @@ mod tests {
 
     #[test]
     fn driver_results_map_to_runtime_numbers_only_where_they_agree() {
-        assert_eq!(runtime_from_driver(cu::OUT_OF_MEMORY), cuda::MEMORY_ALLOCATION);
+        assert_eq!(
+            runtime_from_driver(cu::OUT_OF_MEMORY),
+            cuda::MEMORY_ALLOCATION
+        );
         assert_eq!(runtime_from_driver(901), 901);
         // CUDA_ERROR_INVALID_CONTEXT (201) means something else in the runtime.
         assert_eq!(runtime_from_driver(201), cuda::UNKNOWN);

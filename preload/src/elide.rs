@@ -279,7 +279,11 @@ mod tests {
         let flushed = elider.take_all();
         assert_eq!(flushed.len(), 1);
         assert_eq!(flushed[0].dst, B);
-        assert_eq!(elider.on_free(A), FreeDecision::Plain, "already performed: a plain free");
+        assert_eq!(
+            elider.on_free(A),
+            FreeDecision::Plain,
+            "already performed: a plain free"
+        );
     }
 
     #[test]
@@ -396,7 +400,10 @@ mod tests {
             src_alloc: alloc(A, 1 << 20),
             ..resize_copy()
         };
-        assert_eq!(tiny.on_copy(&small, 0), CopyDecision::Perform(Reason::TooSmall));
+        assert_eq!(
+            tiny.on_copy(&small, 0),
+            CopyDecision::Perform(Reason::TooSmall)
+        );
         assert_eq!(elider.pending(), 0);
     }
 
@@ -415,7 +422,10 @@ mod tests {
             src_alloc: alloc(B, 3 * GIB),
             ..resize_copy()
         };
-        assert_eq!(elider.on_copy(&chained, 0), CopyDecision::Perform(Reason::Busy));
+        assert_eq!(
+            elider.on_copy(&chained, 0),
+            CopyDecision::Perform(Reason::Busy)
+        );
         // A second, independent resize may be pending at the same time.
         const D: u64 = 0x7f30_0000_0000;
         let independent = CopyRequest {

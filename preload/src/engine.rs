@@ -168,7 +168,12 @@ impl<D: Device> Engine<D> {
         result
     }
 
-    fn alloc_inner(&self, ordinal: usize, bytes: usize, tag: Option<Arc<str>>) -> Result<u64, Fail> {
+    fn alloc_inner(
+        &self,
+        ordinal: usize,
+        bytes: usize,
+        tag: Option<Arc<str>>,
+    ) -> Result<u64, Fail> {
         let device = self.device(ordinal)?;
         match tag {
             None => {
@@ -236,8 +241,7 @@ impl<D: Device> Engine<D> {
         } else {
             FreeDecision::Plain
         };
-        self.pending
-            .store(state.elider.pending(), Ordering::SeqCst);
+        self.pending.store(state.elider.pending(), Ordering::SeqCst);
         let entry = state.table.remove(address).expect("looked up above");
         Counters::bump(&self.counters.frees);
         match (entry.payload, decision) {
@@ -378,8 +382,7 @@ impl<D: Device> Engine<D> {
         };
         match state.elider.on_copy(&request, epoch) {
             CopyDecision::Defer => {
-                self.pending
-                    .store(state.elider.pending(), Ordering::SeqCst);
+                self.pending.store(state.elider.pending(), Ordering::SeqCst);
                 Counters::bump(&self.counters.copies_deferred);
                 Ok(Copied::Deferred)
             }
@@ -437,7 +440,10 @@ impl<D: Device> Engine<D> {
             }
         }
         Counters::bump(&self.counters.pauses);
-        Counters::set(&self.counters.last_pause_ns, total.elapsed.as_nanos() as u64);
+        Counters::set(
+            &self.counters.last_pause_ns,
+            total.elapsed.as_nanos() as u64,
+        );
         Ok(total)
     }
 
@@ -459,7 +465,10 @@ impl<D: Device> Engine<D> {
             lock(&self.state).tags.mark_paused(&name, false);
         }
         Counters::bump(&self.counters.resumes);
-        Counters::set(&self.counters.last_resume_ns, total.elapsed.as_nanos() as u64);
+        Counters::set(
+            &self.counters.last_resume_ns,
+            total.elapsed.as_nanos() as u64,
+        );
         Ok(total)
     }
 
@@ -614,7 +623,10 @@ mod tests {
                 return Err((Fail::OutOfMemory("graft".into()), Some(source)));
             }
             assert!(source.bytes <= target.bytes);
-            self.say(format!("graft {:#x} <- {:#x}", target.address, source.address));
+            self.say(format!(
+                "graft {:#x} <- {:#x}",
+                target.address, source.address
+            ));
             Ok(())
         }
 
@@ -651,7 +663,9 @@ mod tests {
             let region = inner.regions.entry(tag.to_string()).or_default();
             region.0 = true;
             let bytes = region.1;
-            inner.log.push(format!("pause {tag} keep={keep} on {}", self.ordinal));
+            inner
+                .log
+                .push(format!("pause {tag} keep={keep} on {}", self.ordinal));
             Ok(Transfer {
                 bytes,
                 copied: if keep { bytes } else { 0 },
@@ -708,8 +722,14 @@ mod tests {
         }
     }
 
+    type TestEngine = (
+        Engine<SharedFake>,
+        Arc<Mutex<Vec<Arc<Fake>>>>,
+        Arc<Counters>,
+    );
+
     /// An engine over fake devices; the devices are kept so the test can read their logs.
-    fn engine(elide: bool) -> (Engine<SharedFake>, Arc<Mutex<Vec<Arc<Fake>>>>, Arc<Counters>) {
+    fn engine(elide: bool) -> TestEngine {
         let opened: Arc<Mutex<Vec<Arc<Fake>>>> = Arc::default();
         let keep = opened.clone();
         let counters = Arc::new(Counters::default());
@@ -798,10 +818,21 @@ mod tests {
         assert_eq!(engine.free(0x1234), Ok(Freed::NotOwned));
         assert!(matches!(engine.free(a + 8), Err(Fail::InvalidValue(_))));
         assert_eq!(engine.free(a), Ok(Freed::Done));
-        assert_eq!(engine.free(a), Ok(Freed::NotOwned), "a second free is foreign");
-        assert_eq!(engine.alloc(0, 0, None), Ok(0), "zero bytes: NULL, like cudaMalloc");
+        assert_eq!(
+            engine.free(a),
+            Ok(Freed::NotOwned),
+            "a second free is foreign"
+        );
+        assert_eq!(
+            engine.alloc(0, 0, None),
+            Ok(0),
+            "zero bytes: NULL, like cudaMalloc"
+        );
         let log = lock(&devices)[0].log();
-        assert_eq!(log, vec![format!("alloc {a:#x} {}", 64 * MIB), format!("free {a:#x}")]);
+        assert_eq!(
+            log,
+            vec![format!("alloc {a:#x} {}", 64 * MIB), format!("free {a:#x}")]
+        );
         assert_eq!(Counters::get(&counters.frees), 1);
         assert_eq!(engine.view().live_allocations, 0);
     }
@@ -824,9 +855,15 @@ mod tests {
         let (engine, devices, counters) = engine(false);
         engine.alloc(0, MIB, None).unwrap();
         lock(&lock(&devices)[0].inner).oom = 1;
-        assert!(matches!(engine.alloc(0, GIB, None), Err(Fail::OutOfMemory(_))));
+        assert!(matches!(
+            engine.alloc(0, GIB, None),
+            Err(Fail::OutOfMemory(_))
+        ));
         assert_eq!(Counters::get(&counters.oom_errors), 1);
-        assert!(engine.alloc(0, GIB, None).is_ok(), "the next try may succeed");
+        assert!(
+            engine.alloc(0, GIB, None).is_ok(),
+            "the next try may succeed"
+        );
     }
 
     #[test]
@@ -840,7 +877,10 @@ mod tests {
         let log = lock(&devices)[0].log();
         assert_eq!(log.last().unwrap(), &format!("graft {b:#x} <- {a:#x}"));
         assert!(!log.iter().any(|l| l.starts_with("copy")), "{log:?}");
-        assert!(!log.iter().any(|l| l == &format!("free {a:#x}")), "a's memory lives on in b");
+        assert!(
+            !log.iter().any(|l| l == &format!("free {a:#x}")),
+            "a's memory lives on in b"
+        );
         assert_eq!(Counters::get(&counters.copies_elided), 1);
         assert_eq!(Counters::get(&counters.bytes_elided), 3 * GIB as u64 / 2);
         assert!(!engine.owns(a) && engine.owns(b));
@@ -857,7 +897,10 @@ mod tests {
         assert!(!engine.touch());
         engine.free(a).unwrap();
         let log = lock(&devices)[0].log();
-        assert!(log.contains(&format!("copy {b:#x} <- {a:#x} {GIB} on 0x5")), "{log:?}");
+        assert!(
+            log.contains(&format!("copy {b:#x} <- {a:#x} {GIB} on 0x5")),
+            "{log:?}"
+        );
         assert_eq!(log.last().unwrap(), &format!("free {a:#x}"));
         assert_eq!(Counters::get(&counters.copies_performed), 1);
         assert_eq!(Counters::get(&counters.copies_elided), 0);
@@ -892,7 +935,10 @@ mod tests {
         assert_eq!(Counters::get(&counters.copies_cancelled), 1);
         engine.free(a).unwrap();
         let fake = lock(&devices)[0].clone();
-        assert!(!fake.log().iter().any(|l| l.starts_with("copy") || l.starts_with("graft")));
+        assert!(!fake
+            .log()
+            .iter()
+            .any(|l| l.starts_with("copy") || l.starts_with("graft")));
 
         fake.fail_graft.store(true, Ordering::SeqCst);
         let a = engine.alloc(0, GIB, None).unwrap();
@@ -916,7 +962,7 @@ mod tests {
         assert!(!plain.eliding());
     }
 
-    fn engine_pair_without_elision() -> (Engine<SharedFake>, Arc<Mutex<Vec<Arc<Fake>>>>, Arc<Counters>) {
+    fn engine_pair_without_elision() -> TestEngine {
         engine(false)
     }
 
@@ -926,7 +972,9 @@ mod tests {
         let weights = engine.register_tag("weights");
         let w0 = engine.alloc(0, GIB, Some(weights.clone())).unwrap();
         let w1 = engine.alloc(1, GIB, Some(weights.clone())).unwrap();
-        let kv = engine.alloc(0, GIB, Some(engine.register_tag("kv"))).unwrap();
+        let kv = engine
+            .alloc(0, GIB, Some(engine.register_tag("kv")))
+            .unwrap();
         let plain = engine.alloc(0, GIB, None).unwrap();
         assert!(engine.owns(w0) && engine.owns(w1) && engine.owns(kv) && engine.owns(plain));
 
@@ -944,7 +992,11 @@ mod tests {
         assert_eq!(view.host_bytes, 2 * GIB);
 
         assert_eq!(engine.resume(Some("weights")).unwrap().bytes, 2 * GIB);
-        assert_eq!(engine.resume(Some("weights")).unwrap(), Transfer::default(), "idempotent");
+        assert_eq!(
+            engine.resume(Some("weights")).unwrap(),
+            Transfer::default(),
+            "idempotent"
+        );
         assert!(engine.alloc(0, MIB, Some(weights)).is_ok());
         assert_eq!(
             engine.pause(Some("never-set"), true),
@@ -954,9 +1006,20 @@ mod tests {
         let log0 = lock(&devices)[0].log();
         assert!(log0.contains(&"pause weights keep=true on 0".to_string()));
         assert!(log0.contains(&format!("tag_free kv {kv:#x}")));
-        assert!(!log0.iter().any(|l| l.starts_with("pause kv")), "kv was not paused");
-        assert_eq!(Counters::get(&counters.pauses), 1 + 1, "the no-op pause counts too");
-        assert_eq!(Counters::get(&counters.last_resume_ns), 0, "the no-op resume took 0 ns");
+        assert!(
+            !log0.iter().any(|l| l.starts_with("pause kv")),
+            "kv was not paused"
+        );
+        assert_eq!(
+            Counters::get(&counters.pauses),
+            1 + 1,
+            "the no-op pause counts too"
+        );
+        assert_eq!(
+            Counters::get(&counters.last_resume_ns),
+            0,
+            "the no-op resume took 0 ns"
+        );
     }
 
     #[test]
@@ -966,9 +1029,17 @@ mod tests {
         engine.alloc(0, GIB, Some(tag.clone())).unwrap();
         engine.alloc(1, GIB, Some(tag.clone())).unwrap();
         lock(&lock(&devices)[1].inner).fail_pause = Some("w".into());
-        assert!(matches!(engine.pause(Some("w"), true), Err(Fail::OutOfMemory(_))));
-        assert!(lock(&devices)[0].log().contains(&"resume w on 0".to_string()));
-        assert!(engine.alloc(0, MIB, Some(tag)).is_ok(), "the tag is awake again");
+        assert!(matches!(
+            engine.pause(Some("w"), true),
+            Err(Fail::OutOfMemory(_))
+        ));
+        assert!(lock(&devices)[0]
+            .log()
+            .contains(&"resume w on 0".to_string()));
+        assert!(
+            engine.alloc(0, MIB, Some(tag)).is_ok(),
+            "the tag is awake again"
+        );
         assert_eq!(engine.view().tags_paused, 0);
     }
 
@@ -976,7 +1047,10 @@ mod tests {
     fn pause_of_all_tags_and_of_a_tag_without_memory() {
         let (engine, _, _) = engine(false);
         engine.register_tag("empty");
-        assert_eq!(engine.pause(Some("empty"), false).unwrap(), Transfer::default());
+        assert_eq!(
+            engine.pause(Some("empty"), false).unwrap(),
+            Transfer::default()
+        );
         assert_eq!(engine.view().tags_paused, 1);
         assert_eq!(engine.resume(None).unwrap(), Transfer::default());
         assert_eq!(engine.view().tags_paused, 0);

@@ -52,7 +52,12 @@ pub const VARIANTS: &[Variant] = &[
     v("cuGetProcAddress", "cuGetProcAddress_v2", 12000, false),
     v("cuLaunchKernel", "cuLaunchKernel", 4000, true),
     v("cuLaunchKernelEx", "cuLaunchKernelEx", 11060, true),
-    v("cuLaunchCooperativeKernel", "cuLaunchCooperativeKernel", 9000, true),
+    v(
+        "cuLaunchCooperativeKernel",
+        "cuLaunchCooperativeKernel",
+        9000,
+        true,
+    ),
     v("cuGraphLaunch", "cuGraphLaunch", 10000, true),
     v("cuMemcpy", "cuMemcpy", 4000, true),
     v("cuMemcpyAsync", "cuMemcpyAsync", 4000, true),
@@ -86,14 +91,15 @@ pub struct Lookup<'a> {
 /// Which hooked function to hand out instead of what the driver returned, if any.
 /// `stream_hooks`: whether flush-point hooks are wanted (copy elision is on).
 pub fn substitute(lookup: &Lookup<'_>, stream_hooks: bool) -> Option<&'static str> {
-    let variant = VARIANTS.iter().find(|v| {
-        v.base == lookup.symbol && (v.since..=v.until).contains(&lookup.version)
-    })?;
+    let variant = VARIANTS
+        .iter()
+        .find(|v| v.base == lookup.symbol && (v.since..=v.until).contains(&lookup.version))?;
     if !variant.stream_ordered {
         return Some(variant.hooked);
     }
     let per_thread = lookup.flags & PER_THREAD_DEFAULT_STREAM != 0;
-    (stream_hooks && !per_thread && lookup.returned == Some(variant.hooked)).then_some(variant.hooked)
+    (stream_hooks && !per_thread && lookup.returned == Some(variant.hooked))
+        .then_some(variant.hooked)
 }
 
 #[cfg(test)]
@@ -112,32 +118,62 @@ mod tests {
 
     #[test]
     fn memory_functions_follow_name_and_version() {
-        assert_eq!(substitute(&lookup("cuMemAlloc", 12000), false), Some("cuMemAlloc_v2"));
-        assert_eq!(substitute(&lookup("cuMemAlloc", i32::MAX), false), Some("cuMemAlloc_v2"));
-        assert_eq!(substitute(&lookup("cuMemFree", 13000), false), Some("cuMemFree_v2"));
-        assert_eq!(substitute(&lookup("cuMemGetInfo", 3020), false), Some("cuMemGetInfo_v2"));
+        assert_eq!(
+            substitute(&lookup("cuMemAlloc", 12000), false),
+            Some("cuMemAlloc_v2")
+        );
+        assert_eq!(
+            substitute(&lookup("cuMemAlloc", i32::MAX), false),
+            Some("cuMemAlloc_v2")
+        );
+        assert_eq!(
+            substitute(&lookup("cuMemFree", 13000), false),
+            Some("cuMemFree_v2")
+        );
+        assert_eq!(
+            substitute(&lookup("cuMemGetInfo", 3020), false),
+            Some("cuMemGetInfo_v2")
+        );
         // Before 3.2 the driver returns the 32-bit v1 function, which is not hooked.
         assert_eq!(substitute(&lookup("cuMemAlloc", 3010), false), None);
         assert_eq!(substitute(&lookup("cuMemAllocManaged", 12000), false), None);
-        assert_eq!(substitute(&lookup("cuMemAlloc_v2", 12000), false), None, "base names only");
+        assert_eq!(
+            substitute(&lookup("cuMemAlloc_v2", 12000), false),
+            None,
+            "base names only"
+        );
     }
 
     #[test]
     fn get_proc_address_itself_is_handed_out_by_version() {
-        assert_eq!(substitute(&lookup("cuGetProcAddress", 11080), false), Some("cuGetProcAddress"));
-        assert_eq!(substitute(&lookup("cuGetProcAddress", 12000), false), Some("cuGetProcAddress_v2"));
+        assert_eq!(
+            substitute(&lookup("cuGetProcAddress", 11080), false),
+            Some("cuGetProcAddress")
+        );
+        assert_eq!(
+            substitute(&lookup("cuGetProcAddress", 12000), false),
+            Some("cuGetProcAddress_v2")
+        );
         assert_eq!(substitute(&lookup("cuGetProcAddress", 11000), false), None);
     }
 
     #[test]
     fn stream_functions_only_when_the_driver_returned_the_legacy_one() {
         let mut launch = lookup("cuLaunchKernel", 12000);
-        assert_eq!(substitute(&launch, true), None, "address not recognised: leave it");
+        assert_eq!(
+            substitute(&launch, true),
+            None,
+            "address not recognised: leave it"
+        );
         launch.returned = Some("cuLaunchKernel");
         assert_eq!(substitute(&launch, true), Some("cuLaunchKernel"));
         assert_eq!(substitute(&launch, false), None, "not without copy elision");
         launch.flags = PER_THREAD_DEFAULT_STREAM;
-        assert_eq!(substitute(&launch, true), None, "per-thread stream variant: never");
+        assert_eq!(
+            substitute(&launch, true),
+            None,
+            "per-thread stream variant: never"
+        );
         let mut memcpy = lookup("cuMemcpyDtoDAsync", 12000);
         memcpy.returned = Some("cuMemcpyDtoDAsync_v2");
         assert_eq!(substitute(&memcpy, true), Some("cuMemcpyDtoDAsync_v2"));

@@ -324,7 +324,17 @@ mod tests {
         assert_eq!(parse_size("1.5G"), Some(3 << 29));
         assert_eq!(parse_size("64k"), Some(64 << 10));
         assert_eq!(parse_size("1T"), Some(1 << 40));
-        for bad in ["", "G", "8X", "-1", "1.5", ".5G", "5.G", "1e9", "99999999999999999999"] {
+        for bad in [
+            "",
+            "G",
+            "8X",
+            "-1",
+            "1.5",
+            ".5G",
+            "5.G",
+            "1e9",
+            "99999999999999999999",
+        ] {
             assert_eq!(parse_size(bad), None, "{bad:?} must not parse");
         }
     }
@@ -368,7 +378,11 @@ mod tests {
     #[test]
     fn bad_values_warn_and_fall_back() {
         let (config, warnings) = config(&[(MODE, "fast"), (BUDGET, "lots"), (STITCHING, "maybe")]);
-        assert_eq!(config.mode, Mode::Off, "an unknown mode turns the layer off");
+        assert_eq!(
+            config.mode,
+            Mode::Off,
+            "an unknown mode turns the layer off"
+        );
         assert_eq!(config.budget, None);
         assert!(config.stitching);
         assert_eq!(warnings.len(), 3, "{warnings:?}");

@@ -31,7 +31,9 @@ fn guarded(call: &'static str, on_panic: c_int, body: impl FnOnce() -> c_int) ->
         Err(_) => {
             layer::notice_once(
                 "panic",
-                &format!("stablebuf-preload: internal error in {call} (caught; returning {on_panic})"),
+                &format!(
+                    "stablebuf-preload: internal error in {call} (caught; returning {on_panic})"
+                ),
             );
             on_panic
         }
@@ -86,23 +88,39 @@ pub unsafe extern "C" fn cudaMalloc(ptr: *mut *mut c_void, size: usize) -> c_int
     guarded("cudaMalloc", cuda::UNKNOWN, || {
         // SAFETY (all calls below): arguments are the caller's, passed on unchanged, or our own
         // locals; `ptr` is written only after a NULL check.
-        runtime_alloc("cudaMalloc", ptr, size, |p, s| {
-            let real = real_runtime!(cudaMalloc);
-            unsafe { real(p, s) }
-        }, None)
+        runtime_alloc(
+            "cudaMalloc",
+            ptr,
+            size,
+            |p, s| {
+                let real = real_runtime!(cudaMalloc);
+                unsafe { real(p, s) }
+            },
+            None,
+        )
     })
 }
 
 /// `cudaMallocAsync`: as `cudaMalloc` (the pool's memory is ready at once), except on a
 /// capturing stream, where the runtime makes a graph memory node: passed through.
 #[no_mangle]
-pub unsafe extern "C" fn cudaMallocAsync(ptr: *mut *mut c_void, size: usize, stream: Stream) -> c_int {
+pub unsafe extern "C" fn cudaMallocAsync(
+    ptr: *mut *mut c_void,
+    size: usize,
+    stream: Stream,
+) -> c_int {
     guarded("cudaMallocAsync", cuda::UNKNOWN, || {
-        runtime_alloc("cudaMallocAsync", ptr, size, |p, s| {
-            let real = real_runtime!(cudaMallocAsync);
-            // SAFETY: the caller's arguments, passed on unchanged.
-            unsafe { real(p, s, stream) }
-        }, Some(stream as u64))
+        runtime_alloc(
+            "cudaMallocAsync",
+            ptr,
+            size,
+            |p, s| {
+                let real = real_runtime!(cudaMallocAsync);
+                // SAFETY: the caller's arguments, passed on unchanged.
+                unsafe { real(p, s, stream) }
+            },
+            Some(stream as u64),
+        )
     })
 }
 
@@ -171,7 +189,12 @@ pub unsafe extern "C" fn cudaFreeAsync(ptr: *mut c_void, stream: Stream) -> c_in
     })
 }
 
-fn runtime_free(call: &'static str, ptr: *mut c_void, stream: Option<u64>, real: impl FnOnce() -> c_int) -> c_int {
+fn runtime_free(
+    call: &'static str,
+    ptr: *mut c_void,
+    stream: Option<u64>,
+    real: impl FnOnce() -> c_int,
+) -> c_int {
     if ptr.is_null() {
         return real();
     }
@@ -190,8 +213,11 @@ fn runtime_free(call: &'static str, ptr: *mut c_void, stream: Option<u64>, real:
         Route::Vmm(layer, engine) => {
             if let Some(stream) = stream {
                 if layer.owns(ptr as u64) && real::stream_is_capturing(stream) {
-                    tracing::warn!(call, address = ptr as u64,
-                        "the layer cannot free its memory inside a stream capture");
+                    tracing::warn!(
+                        call,
+                        address = ptr as u64,
+                        "the layer cannot free its memory inside a stream capture"
+                    );
                     return cuda::STREAM_CAPTURE_UNSUPPORTED;
                 }
             }
@@ -307,7 +333,12 @@ fn device_to_device(kind: c_int) -> bool {
 /// `cudaMemcpy`: with copy elision, a deferrable device-to-device copy returns at once (as a
 /// device-to-device `cudaMemcpy` may); every other copy first performs deferred ones.
 #[no_mangle]
-pub unsafe extern "C" fn cudaMemcpy(dst: *mut c_void, src: *const c_void, count: usize, kind: c_int) -> c_int {
+pub unsafe extern "C" fn cudaMemcpy(
+    dst: *mut c_void,
+    src: *const c_void,
+    count: usize,
+    kind: c_int,
+) -> c_int {
     guarded("cudaMemcpy", cuda::UNKNOWN, || {
         let real = real_runtime!(cudaMemcpy);
         let call = CopyCall {
@@ -395,7 +426,12 @@ pub unsafe extern "C" fn cudaGetDriverEntryPointByVersion(
 }
 
 /// After a successful lookup: if it resolved to a function the layer hooks, hand out the hook.
-unsafe fn substitute_entry(symbol: *const c_char, func: *mut *mut c_void, version: i32, flags: u64) {
+unsafe fn substitute_entry(
+    symbol: *const c_char,
+    func: *mut *mut c_void,
+    version: i32,
+    flags: u64,
+) {
     if symbol.is_null() || func.is_null() {
         return;
     }
@@ -422,7 +458,12 @@ unsafe fn substitute_entry(symbol: *const c_char, func: *mut *mut c_void, versio
         // SAFETY: as above; the hook has the prototype of the function it replaces.
         unsafe { *func = hook };
         Counters::bump(&layer.counters.entry_points);
-        tracing::debug!(symbol = name, version, flags, "entry point: handing out the layer's hook");
+        tracing::debug!(
+            symbol = name,
+            version,
+            flags,
+            "entry point: handing out the layer's hook"
+        );
     }
 }
 
@@ -799,7 +840,8 @@ mod tests {
             .filter(|name| {
                 name.starts_with("cuda")
                     || name.starts_with("stablebuf_")
-                    || (name.starts_with("cu") && name[2..].starts_with(|c: char| c.is_ascii_uppercase()))
+                    || (name.starts_with("cu")
+                        && name[2..].starts_with(|c: char| c.is_ascii_uppercase()))
             })
             .collect();
         let table: BTreeSet<&str> = symbols::exported().collect();
@@ -808,7 +850,10 @@ mod tests {
 
     #[test]
     fn every_hooked_driver_function_can_be_handed_out() {
-        for hooked in symbols::HOOKED.iter().filter(|h| h.library == symbols::Library::Driver) {
+        for hooked in symbols::HOOKED
+            .iter()
+            .filter(|h| h.library == symbols::Library::Driver)
+        {
             assert!(driver_hook(hooked.name).is_some(), "{}", hooked.name);
         }
         assert!(driver_hook("cuMemCreate").is_none());

@@ -19,9 +19,7 @@ use crate::device::{Device, PoolView, TagView, Transfer};
 use crate::elide::PendingCopy;
 use crate::real;
 
-#[cfg(feature = "core-next")]
 use stablebuf::region::{Region, RegionOptions};
-#[cfg(feature = "core-next")]
 use stablebuf::{HostStorage, StorageUsed};
 
 /// The untagged tenant reserves this many times the device's memory in addresses (at least
@@ -81,7 +79,10 @@ impl HostSlot {
         let started = Instant::now();
         match HostArena::new(ctx, size) {
             Ok(arena) => {
-                tracing::info!(seconds = started.elapsed().as_secs_f64(), "host memory pinned");
+                tracing::info!(
+                    seconds = started.elapsed().as_secs_f64(),
+                    "host memory pinned"
+                );
                 *slot = Some(arena.clone());
                 Ok(arena)
             }
@@ -100,7 +101,6 @@ impl HostSlot {
 }
 
 /// One tag's region on one device.
-#[cfg(feature = "core-next")]
 struct RegionEntry {
     region: Region,
     created: Instant,
@@ -111,15 +111,11 @@ pub struct GpuDevice {
     ctx: Arc<CudaContext>,
     pool: ElasticPool,
     tenant: Tenant,
-    #[cfg_attr(not(feature = "core-next"), allow(dead_code))]
     stream: Arc<CudaStream>,
     created: Instant,
     origin: Instant,
     host: Arc<HostSlot>,
-    #[cfg(feature = "core-next")]
     regions: Mutex<BTreeMap<Arc<str>, RegionEntry>>,
-    #[cfg(not(feature = "core-next"))]
-    regions: Mutex<BTreeMap<Arc<str>, ()>>,
 }
 
 impl GpuDevice {
@@ -157,7 +153,6 @@ impl GpuDevice {
     }
 }
 
-#[cfg(feature = "core-next")]
 impl GpuDevice {
     fn region(&self, tag: &str) -> Result<Region, Fail> {
         let mut regions = lock(&self.regions);
@@ -180,7 +175,6 @@ impl GpuDevice {
     }
 }
 
-#[cfg(feature = "core-next")]
 fn transfer(report: stablebuf::TransferReport) -> Transfer {
     Transfer {
         bytes: report.bytes,
@@ -205,19 +199,16 @@ impl Device for GpuDevice {
         block.free().map_err(Fail::from)
     }
 
-    #[cfg(feature = "core-next")]
-    fn graft(&self, target: &mut Block, source: Block) -> Result<(), (Fail, Option<Block>)> {
-        // `Block::graft` consumes the source even when it fails; see the report for the
-        // signature that would hand it back.
-        target.graft(source).map_err(|e| (Fail::from(e), None))
-    }
-
-    #[cfg(not(feature = "core-next"))]
-    fn graft(&self, _target: &mut Block, source: Block) -> Result<(), (Fail, Option<Block>)> {
-        Err((
-            Fail::NotPermitted("this build of stablebuf has no Block::graft".into()),
-            Some(source),
-        ))
+    fn graft(&self, target: &mut Block, mut source: Block) -> Result<(), (Fail, Option<Block>)> {
+        // All or nothing: on an error both blocks are as they were, so the caller can copy.
+        match target.graft(&mut source) {
+            Ok(()) => {
+                // The source now holds nothing; dropping it frees no memory.
+                drop(source);
+                Ok(())
+            }
+            Err(error) => Err((Fail::from(error), Some(source))),
+        }
     }
 
     fn copy_now(&self, copy: &PendingCopy) -> Result<(), Fail> {
@@ -228,19 +219,10 @@ impl Device for GpuDevice {
         real::stream_is_capturing(stream)
     }
 
-    #[cfg(feature = "core-next")]
     fn tag_alloc(&self, tag: &str, bytes: usize) -> Result<u64, Fail> {
         Ok(self.region(tag)?.alloc(bytes)?)
     }
 
-    #[cfg(not(feature = "core-next"))]
-    fn tag_alloc(&self, tag: &str, _bytes: usize) -> Result<u64, Fail> {
-        Err(Fail::NotPermitted(format!(
-            "tag {tag:?}: this build of stablebuf has no regions"
-        )))
-    }
-
-    #[cfg(feature = "core-next")]
     fn tag_free(&self, tag: &str, address: u64) -> Result<(), Fail> {
         let region = self
             .existing_region(tag)
@@ -248,12 +230,6 @@ impl Device for GpuDevice {
         region.free(address).map(drop).map_err(Fail::from)
     }
 
-    #[cfg(not(feature = "core-next"))]
-    fn tag_free(&self, tag: &str, _address: u64) -> Result<(), Fail> {
-        Err(Fail::Internal(format!("no region for tag {tag:?}")))
-    }
-
-    #[cfg(feature = "core-next")]
     fn pause(&self, tag: &str, keep: bool) -> Result<Transfer, Fail> {
         let Some(region) = self.existing_region(tag) else {
             return Ok(Transfer::default());
@@ -267,22 +243,11 @@ impl Device for GpuDevice {
         Ok(transfer(region.sleep(&storage, &self.stream)?))
     }
 
-    #[cfg(not(feature = "core-next"))]
-    fn pause(&self, _tag: &str, _keep: bool) -> Result<Transfer, Fail> {
-        Ok(Transfer::default())
-    }
-
-    #[cfg(feature = "core-next")]
     fn resume(&self, tag: &str) -> Result<Transfer, Fail> {
         match self.existing_region(tag) {
             Some(region) => Ok(transfer(region.wake(&self.stream)?)),
             None => Ok(Transfer::default()),
         }
-    }
-
-    #[cfg(not(feature = "core-next"))]
-    fn resume(&self, _tag: &str) -> Result<Transfer, Fail> {
-        Ok(Transfer::default())
     }
 
     fn reserve_host(&self, bytes: usize) -> Result<(), Fail> {
@@ -307,7 +272,6 @@ impl Device for GpuDevice {
         }
     }
 
-    #[cfg(feature = "core-next")]
     fn tag(&self, tag: &str) -> Option<TagView> {
         let stats = self.existing_region(tag)?.stats();
         Some(TagView {
@@ -318,16 +282,9 @@ impl Device for GpuDevice {
         })
     }
 
-    #[cfg(not(feature = "core-next"))]
-    fn tag(&self, _tag: &str) -> Option<TagView> {
-        None
-    }
-
     fn events(&self) -> Vec<(Duration, u32, Vec<Event>)> {
         let base = self.ordinal as u32 * 10_000;
-        #[allow(unused_mut)]
         let mut sources = vec![(self.offset(self.created), base, self.pool.events())];
-        #[cfg(feature = "core-next")]
         for (index, entry) in lock(&self.regions).values().enumerate() {
             sources.push((
                 self.offset(entry.created),
@@ -339,9 +296,7 @@ impl Device for GpuDevice {
     }
 
     fn summary(&self) -> String {
-        #[allow(unused_mut)]
         let mut line = format!("pool: {}", self.pool.stats());
-        #[cfg(feature = "core-next")]
         for (tag, entry) in lock(&self.regions).iter() {
             let stats = entry.region.stats();
             line.push_str(&format!(
@@ -355,8 +310,6 @@ impl Device for GpuDevice {
                 }
             ));
         }
-        #[cfg(not(feature = "core-next"))]
-        let _ = &self.regions;
         line
     }
 }

@@ -56,10 +56,7 @@ pub fn forked() {
 }
 
 fn in_child() -> bool {
-    FORKED.load(Ordering::Relaxed)
-        || LAYER
-            .get()
-            .is_some_and(|l| l.pid != std::process::id())
+    FORKED.load(Ordering::Relaxed) || LAYER.get().is_some_and(|l| l.pid != std::process::id())
 }
 
 /// Prints `text` to stderr once per `key` per process, whatever the log filter: for the few
@@ -200,7 +197,13 @@ impl Layer {
     }
 
     /// vmm: allocates `bytes` on the caller's current device, under this thread's tag.
-    pub fn vmm_alloc(&self, engine: &Engine<GpuDevice>, api: Api, call: &'static str, bytes: usize) -> Result<u64, Fail> {
+    pub fn vmm_alloc(
+        &self,
+        engine: &Engine<GpuDevice>,
+        api: Api,
+        call: &'static str,
+        bytes: usize,
+    ) -> Result<u64, Fail> {
         let _busy = Busy::new(&self.busy);
         let _context = real::ContextGuard::save();
         self.count_alloc(api);
@@ -211,14 +214,28 @@ impl Layer {
         let tag = tags::current();
         let result = engine.alloc(device, bytes, tag.clone());
         match &result {
-            Ok(address) => tracing::debug!(call, device, bytes, address, tag = tag.as_deref(), "allocated"),
-            Err(fail) => tracing::warn!(call, device, bytes, tag = tag.as_deref(), %fail, "allocation failed"),
+            Ok(address) => tracing::debug!(
+                call,
+                device,
+                bytes,
+                address,
+                tag = tag.as_deref(),
+                "allocated"
+            ),
+            Err(fail) => {
+                tracing::warn!(call, device, bytes, tag = tag.as_deref(), %fail, "allocation failed")
+            }
         }
         result
     }
 
     /// vmm: frees `address` if the layer owns it.
-    pub fn vmm_free(&self, engine: &Engine<GpuDevice>, call: &'static str, address: u64) -> Result<Freed, Fail> {
+    pub fn vmm_free(
+        &self,
+        engine: &Engine<GpuDevice>,
+        call: &'static str,
+        address: u64,
+    ) -> Result<Freed, Fail> {
         let _busy = Busy::new(&self.busy);
         let _context = real::ContextGuard::save();
         let result = engine.free(address);
@@ -334,8 +351,14 @@ impl Layer {
         let _busy = Busy::new(&self.busy);
         let _context = real::ContextGuard::save();
         let transfer = engine.pause(tag, keep)?;
-        tracing::info!(tag, keep, bytes = transfer.bytes, copied = transfer.copied,
-            ms = transfer.elapsed.as_secs_f64() * 1e3, "paused");
+        tracing::info!(
+            tag,
+            keep,
+            bytes = transfer.bytes,
+            copied = transfer.copied,
+            ms = transfer.elapsed.as_secs_f64() * 1e3,
+            "paused"
+        );
         Ok(())
     }
 
@@ -344,8 +367,13 @@ impl Layer {
         let _busy = Busy::new(&self.busy);
         let _context = real::ContextGuard::save();
         let transfer = engine.resume(tag)?;
-        tracing::info!(tag, bytes = transfer.bytes, copied = transfer.copied,
-            ms = transfer.elapsed.as_secs_f64() * 1e3, "resumed");
+        tracing::info!(
+            tag,
+            bytes = transfer.bytes,
+            copied = transfer.copied,
+            ms = transfer.elapsed.as_secs_f64() * 1e3,
+            "resumed"
+        );
         Ok(())
     }
 
@@ -362,7 +390,11 @@ impl Layer {
     pub fn stats(&self) -> StablebufStats {
         let mut stats = StablebufStats {
             abi_version: ABI_VERSION,
-            mode: if in_child() { 0 } else { self.config.mode.code() },
+            mode: if in_child() {
+                0
+            } else {
+                self.config.mode.code()
+            },
             ..StablebufStats::default()
         }
         .with_counters(&self.counters);
@@ -406,7 +438,9 @@ impl Layer {
         let deadline = Instant::now() + Duration::from_millis(200);
         while self.busy.load(Ordering::SeqCst) > 0 {
             if Instant::now() > deadline {
-                eprintln!("stablebuf-preload: another thread is inside the layer at exit; no summary");
+                eprintln!(
+                    "stablebuf-preload: another thread is inside the layer at exit; no summary"
+                );
                 return;
             }
             std::thread::sleep(Duration::from_millis(5));
@@ -497,7 +531,10 @@ fn start_logging(filter: Option<&str>) {
         return;
     };
     let filter = tracing_subscriber::EnvFilter::try_new(filter).unwrap_or_else(|error| {
-        eprintln!("stablebuf-preload: {}={filter:?} is not a filter ({error}); using warn", env::LOG);
+        eprintln!(
+            "stablebuf-preload: {}={filter:?} is not a filter ({error}); using warn",
+            env::LOG
+        );
         tracing_subscriber::EnvFilter::new("warn")
     });
     let subscriber = tracing_subscriber::fmt()
@@ -521,7 +558,9 @@ mod tests {
         assert!(Inside::enter().is_some(), "left again");
         // Another thread has its own guard.
         let _held = Inside::enter();
-        assert!(std::thread::spawn(|| Inside::enter().is_some()).join().unwrap());
+        assert!(std::thread::spawn(|| Inside::enter().is_some())
+            .join()
+            .unwrap());
     }
 
     #[test]
@@ -535,7 +574,10 @@ mod tests {
             ..StablebufStats::default()
         };
         let line = vmm_summary(&stats);
-        assert!(line.starts_with("stablebuf-preload vmm: 4 allocations (3 runtime, 1 driver)"), "{line}");
+        assert!(
+            line.starts_with("stablebuf-preload vmm: 4 allocations (3 runtime, 1 driver)"),
+            "{line}"
+        );
         assert!(line.contains("elided 2 (3.00 GiB)"), "{line}");
         assert!(line.contains("entry points hooked 2"), "{line}");
     }

@@ -138,7 +138,11 @@ impl MonitorLog {
             .iter()
             .map(|(call, count)| {
                 if count.bytes > 0 {
-                    format!("{call} {} ({})", count.calls, human_bytes(count.bytes as usize))
+                    format!(
+                        "{call} {} ({})",
+                        count.calls,
+                        human_bytes(count.bytes as usize)
+                    )
                 } else {
                     format!("{call} {}", count.calls)
                 }
@@ -162,7 +166,10 @@ impl MonitorLog {
             ));
         }
         if self.dropped > 0 {
-            line.push_str(&format!("; {} records beyond the timeline's capacity", self.dropped));
+            line.push_str(&format!(
+                "; {} records beyond the timeline's capacity",
+                self.dropped
+            ));
         }
         line
     }
@@ -266,7 +273,11 @@ mod tests {
         log.alloc(ms(1), "cudaMalloc", 0x1000_0000, 64 * MIB);
         log.alloc(ms(2), "cuMemAlloc_v2", 0x2000_0000, 32 * MIB);
         assert_eq!(log.free(ms(3), "cudaFree", 0x1000_0000), Some(64 * MIB));
-        assert_eq!(log.free(ms(4), "cudaFree", 0xdead), None, "not seen allocated");
+        assert_eq!(
+            log.free(ms(4), "cudaFree", 0xdead),
+            None,
+            "not seen allocated"
+        );
         assert_eq!(log.live(), (1, 32 * MIB));
         assert_eq!(log.peak_live_bytes(), 96 * MIB);
         assert_eq!(log.count("cudaMalloc"), 1);
@@ -276,7 +287,10 @@ mod tests {
         assert!(summary.contains("cudaMalloc 1 (64.00 MiB)"), "{summary}");
         assert!(summary.contains("cuMemAlloc_v2 1 (32.00 MiB)"), "{summary}");
         assert!(summary.contains("peak live 96.00 MiB"), "{summary}");
-        assert!(summary.contains("1 frees of pointers not seen"), "{summary}");
+        assert!(
+            summary.contains("1 frees of pointers not seen"),
+            "{summary}"
+        );
     }
 
     #[test]
@@ -295,9 +309,9 @@ mod tests {
         let gap = 1 << 30;
         let ranges = [
             (0x7000_0000_0000, 0x7000_0400_0000),
-            (0x7000_0800_0000, 0x7000_0900_0000),     // 64 MiB later: same band
-            (0x7100_0000_0000, 0x7100_0001_0000),     // a TiB away: new band
-            (0x7000_0100_0000, 0x7000_0200_0000),     // inside the first
+            (0x7000_0800_0000, 0x7000_0900_0000), // 64 MiB later: same band
+            (0x7100_0000_0000, 0x7100_0001_0000), // a TiB away: new band
+            (0x7000_0100_0000, 0x7000_0200_0000), // inside the first
         ];
         assert_eq!(
             bands(&ranges, gap),
@@ -327,12 +341,19 @@ mod tests {
             .filter(|e| matches!(e.kind, EventKind::Map { .. }))
             .collect();
         assert_eq!(maps.len(), 2);
-        assert_eq!(maps[1].tenant, Some(TenantId(2)), "the far allocation has its own band");
+        assert_eq!(
+            maps[1].tenant,
+            Some(TenantId(2)),
+            "the far allocation has its own band"
+        );
         let unmap = events
             .iter()
             .find(|e| matches!(e.kind, EventKind::Unmap { .. }))
             .unwrap();
-        assert_eq!((unmap.address, unmap.tenant), (0x7000_0000_0000, Some(TenantId(1))));
+        assert_eq!(
+            (unmap.address, unmap.tenant),
+            (0x7000_0000_0000, Some(TenantId(1)))
+        );
         let svg = stablebuf::pool::timeline::render_svg(&events, "monitor").unwrap();
         assert!(svg.contains("(1 mappings)"), "one box in each band");
     }

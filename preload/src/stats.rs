@@ -150,10 +150,7 @@ impl StablebufStats {
 
     /// The struct's bytes, the first `limit` of which go to the caller.
     pub fn to_bytes(&self) -> Vec<u8> {
-        self.fields()
-            .iter()
-            .flat_map(|v| v.to_ne_bytes())
-            .collect()
+        self.fields().iter().flat_map(|v| v.to_ne_bytes()).collect()
     }
 
     fn fields(&self) -> [u64; 34] {
@@ -219,24 +216,33 @@ mod tests {
             FIELDS.len() * 8,
             "every field is a u64, no padding"
         );
-        let mut stats = StablebufStats::default();
-        stats.size = 1;
-        stats.last_resume_ns = 2;
-        stats.copies_elided = 3;
+        let stats = StablebufStats {
+            size: 1,
+            last_resume_ns: 2,
+            copies_elided: 3,
+            ..StablebufStats::default()
+        };
         let bytes = stats.to_bytes();
         assert_eq!(bytes.len(), FIELDS.len() * 8);
         let at = |name: &str| {
             let index = FIELDS.iter().position(|f| *f == name).unwrap();
             u64::from_ne_bytes(bytes[index * 8..index * 8 + 8].try_into().unwrap())
         };
-        assert_eq!((at("size"), at("last_resume_ns"), at("copies_elided")), (1, 2, 3));
+        assert_eq!(
+            (at("size"), at("last_resume_ns"), at("copies_elided")),
+            (1, 2, 3)
+        );
     }
 
     #[test]
     fn older_and_newer_callers_get_whole_fields() {
         let ours = std::mem::size_of::<StablebufStats>();
         assert_eq!(bytes_to_write(ours as u64), Some(ours));
-        assert_eq!(bytes_to_write(ours as u64 + 64), Some(ours), "a newer, longer struct");
+        assert_eq!(
+            bytes_to_write(ours as u64 + 64),
+            Some(ours),
+            "a newer, longer struct"
+        );
         assert_eq!(bytes_to_write(24), Some(24), "an older, shorter struct");
         assert_eq!(bytes_to_write(27), Some(24), "whole fields only");
         assert_eq!(bytes_to_write(7), None);
@@ -251,7 +257,11 @@ mod tests {
         Counters::set(&counters.last_pause_ns, 7);
         let stats = StablebufStats::default().with_counters(&counters);
         assert_eq!(
-            (stats.runtime_allocs, stats.bytes_elided, stats.last_pause_ns),
+            (
+                stats.runtime_allocs,
+                stats.bytes_elided,
+                stats.last_pause_ns
+            ),
             (1, 42, 7)
         );
     }
@@ -259,7 +269,9 @@ mod tests {
     #[test]
     fn the_header_declares_the_same_fields_in_the_same_order() {
         let header = include_str!("../include/stablebuf_preload.h");
-        let start = header.find("struct stablebuf_stats {").expect("struct in the header");
+        let start = header
+            .find("struct stablebuf_stats {")
+            .expect("struct in the header");
         let body = &header[start..header[start..].find("};").unwrap() + start];
         let declared: Vec<&str> = body
             .lines()

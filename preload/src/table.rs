@@ -131,7 +131,13 @@ mod tests {
         );
         assert_eq!(table.lookup(0x1100), Lookup::Foreign, "one past the end");
         assert_eq!(table.lookup(0xfff), Lookup::Foreign);
-        assert_eq!(table.lookup(0x2008), Lookup::Inside { start: 0x2000, bytes: 0x10 });
+        assert_eq!(
+            table.lookup(0x2008),
+            Lookup::Inside {
+                start: 0x2000,
+                bytes: 0x10
+            }
+        );
         assert_eq!(table.containing(0x2008), Some((0x2000, 0x10)));
         assert_eq!(table.containing(0x3000), None);
         assert_eq!(table.len(), 2);
@@ -162,7 +168,11 @@ mod tests {
         assert_eq!((entry.bytes, entry.payload), (0x100, "a"));
         assert!(table.is_empty());
         assert_eq!(table.live_bytes(), 0);
-        assert_eq!(table.lookup(0x1000), Lookup::Foreign, "freed memory is foreign again");
+        assert_eq!(
+            table.lookup(0x1000),
+            Lookup::Foreign,
+            "freed memory is foreign again"
+        );
         table.insert(0x1000, 0x80, "again").unwrap();
         assert_eq!(table.get(0x1000).unwrap().payload, "again");
     }

@@ -181,7 +181,10 @@ mod tests {
     fn tags_are_checked_at_the_abi() {
         assert_eq!(parse_tag(b""), Ok(None));
         assert_eq!(parse_tag(b"weights"), Ok(Some("weights")));
-        assert!(matches!(parse_tag(&[0xff, 0xfe]), Err(Fail::InvalidValue(_))));
+        assert!(matches!(
+            parse_tag(&[0xff, 0xfe]),
+            Err(Fail::InvalidValue(_))
+        ));
         assert!(matches!(
             parse_tag(&[b'a'; MAX_TAG_LEN + 1]),
             Err(Fail::InvalidValue(_))
@@ -198,7 +201,11 @@ mod tests {
         std::thread::spawn(|| set_current(Some(Arc::from("kv"))))
             .join()
             .unwrap();
-        assert_eq!(current().as_deref(), Some("weights"), "unchanged by the other thread");
+        assert_eq!(
+            current().as_deref(),
+            Some("weights"),
+            "unchanged by the other thread"
+        );
         set_current(None);
         assert_eq!(current(), None);
     }
@@ -222,9 +229,15 @@ mod tests {
         let plan = book.plan_pause(Some("weights")).unwrap();
         assert_eq!(plan, vec![(Arc::from("weights"), vec![0, 1])]);
         book.mark_paused("weights", true);
-        assert!(book.plan_pause(Some("weights")).unwrap().is_empty(), "second pause: no-op");
+        assert!(
+            book.plan_pause(Some("weights")).unwrap().is_empty(),
+            "second pause: no-op"
+        );
         assert_eq!(book.plan_resume(Some("weights")).unwrap().len(), 1);
-        assert!(book.plan_resume(Some("kv")).unwrap().is_empty(), "awake: no-op");
+        assert!(
+            book.plan_resume(Some("kv")).unwrap().is_empty(),
+            "awake: no-op"
+        );
         book.mark_paused("weights", false);
         assert!(book.plan_resume(Some("weights")).unwrap().is_empty());
         let state = book.get("weights").unwrap();

@@ -16,7 +16,10 @@ fn library() -> PathBuf {
     PATH.get_or_init(|| {
         // target/<profile>/deps/cdylib-<hash> → target/<profile>/libstablebuf_preload.so
         let exe = std::env::current_exe().expect("test executable path");
-        let profile_dir = exe.parent().and_then(Path::parent).expect("target/<profile>");
+        let profile_dir = exe
+            .parent()
+            .and_then(Path::parent)
+            .expect("target/<profile>");
         let path = profile_dir.join("libstablebuf_preload.so");
         if !path.exists() {
             let mut build = Command::new(env!("CARGO"));
@@ -58,7 +61,9 @@ fn exports_exactly_the_symbol_table() {
         "nm -D --defined-only differs from src/symbols.rs"
     );
     assert!(
-        !exported.iter().any(|s| s.starts_with("_ZN") || s.starts_with("_R")),
+        !exported
+            .iter()
+            .any(|s| s.starts_with("_ZN") || s.starts_with("_R")),
         "Rust symbols leak"
     );
 }
@@ -68,7 +73,10 @@ fn links_no_cuda_library() {
     let path = library();
     let dynamic = tool("readelf", &["-d", path.to_str().unwrap()]);
     let needed: Vec<&str> = dynamic.lines().filter(|l| l.contains("(NEEDED)")).collect();
-    assert!(!needed.is_empty(), "readelf shows no NEEDED entries at all: {dynamic}");
+    assert!(
+        !needed.is_empty(),
+        "readelf shows no NEEDED entries at all: {dynamic}"
+    );
     for line in needed {
         assert!(
             !line.contains("libcuda") && !line.contains("libcudart"),
@@ -136,7 +144,11 @@ fn the_c_abi_answers_without_a_gpu() {
     // pointers to live locals.
     unsafe {
         assert_eq!(set_tag(c"abi-test".as_ptr()), abi::OK);
-        assert_eq!(set_tag(c"\xff\xfe".as_ptr()), abi::INVALID_ARGUMENT, "not UTF-8");
+        assert_eq!(
+            set_tag(c"\xff\xfe".as_ptr()),
+            abi::INVALID_ARGUMENT,
+            "not UTF-8"
+        );
         assert_eq!(set_tag(std::ptr::null()), abi::OK, "NULL clears the tag");
         assert_eq!(pause(c"never-set".as_ptr(), 1), abi::UNKNOWN_TAG);
         assert_eq!(resume(c"never-set".as_ptr()), abi::UNKNOWN_TAG);
@@ -145,7 +157,9 @@ fn the_c_abi_answers_without_a_gpu() {
         assert_eq!(pause(c"abi-test".as_ptr(), 1), abi::OK);
         assert_eq!(resume(c"abi-test".as_ptr()), abi::OK);
         assert_eq!(resume(c"abi-test".as_ptr()), abi::OK);
-        let text = CStr::from_ptr(error_string(abi::UNKNOWN_TAG)).to_str().unwrap();
+        let text = CStr::from_ptr(error_string(abi::UNKNOWN_TAG))
+            .to_str()
+            .unwrap();
         assert!(text.contains("stablebuf_set_tag"), "{text}");
     }
     let stats = stats();
@@ -160,14 +174,21 @@ fn an_older_shorter_stats_struct_gets_only_its_fields() {
     let get: Stats = function(c"stablebuf_stats");
     let mut buffer = [u64::MAX; 4];
     buffer[0] = 16; // size + abi_version only
-    // SAFETY: the buffer holds 32 bytes and declares 16.
+                    // SAFETY: the buffer holds 32 bytes and declares 16.
     assert_eq!(unsafe { get(buffer.as_mut_ptr().cast()) }, abi::OK);
     assert_eq!(buffer[0], 16);
     assert_eq!(buffer[1], 1, "abi_version");
-    assert_eq!(buffer[2], u64::MAX, "nothing written past the declared size");
+    assert_eq!(
+        buffer[2],
+        u64::MAX,
+        "nothing written past the declared size"
+    );
     buffer[0] = 4;
     // SAFETY: as above.
-    assert_eq!(unsafe { get(buffer.as_mut_ptr().cast()) }, abi::INVALID_ARGUMENT);
+    assert_eq!(
+        unsafe { get(buffer.as_mut_ptr().cast()) },
+        abi::INVALID_ARGUMENT
+    );
     // SAFETY: NULL is refused, not dereferenced.
     assert_eq!(unsafe { get(std::ptr::null_mut()) }, abi::INVALID_ARGUMENT);
 }
@@ -181,8 +202,14 @@ fn hooks_without_cuda_return_errors_instead_of_crashing() {
     let mut device: u64 = 0;
     // SAFETY: the CUDA prototypes, with pointers to live locals or NULL where CUDA allows it.
     unsafe {
-        assert_eq!(malloc(&mut ptr, 1 << 20), cuda::SHARED_OBJECT_SYMBOL_NOT_FOUND);
-        assert_eq!(mem_alloc(&mut device, 1 << 20), cu::SHARED_OBJECT_SYMBOL_NOT_FOUND);
+        assert_eq!(
+            malloc(&mut ptr, 1 << 20),
+            cuda::SHARED_OBJECT_SYMBOL_NOT_FOUND
+        );
+        assert_eq!(
+            mem_alloc(&mut device, 1 << 20),
+            cu::SHARED_OBJECT_SYMBOL_NOT_FOUND
+        );
         assert_eq!(
             get_info(std::ptr::null_mut(), std::ptr::null_mut()),
             cuda::SHARED_OBJECT_SYMBOL_NOT_FOUND
@@ -215,7 +242,11 @@ fn a_child_after_fork_leaves_the_parents_state_alone() {
                 let mut status = 0;
                 assert_eq!(libc::waitpid(child, &mut status, 0), child);
                 assert!(libc::WIFEXITED(status));
-                assert_eq!(libc::WEXITSTATUS(status), 0, "the child saw the parent's pool");
+                assert_eq!(
+                    libc::WEXITSTATUS(status),
+                    0,
+                    "the child saw the parent's pool"
+                );
             }
         }
     }
@@ -236,11 +267,18 @@ fn preloading_into_a_program_without_cuda_is_harmless() {
     assert_eq!(String::from_utf8_lossy(&output.stdout).trim(), "running");
     let stderr = String::from_utf8_lossy(&output.stderr);
     for variable in stablebuf_preload::env::VARIABLES {
-        assert!(stderr.contains(variable.name), "help lacks {}:\n{stderr}", variable.name);
+        assert!(
+            stderr.contains(variable.name),
+            "help lacks {}:\n{stderr}",
+            variable.name
+        );
     }
     assert!(
         stderr.contains("STABLEBUF_PRELOAD_BUDGET=\"lots\" is not a size"),
         "a bad value is reported: {stderr}"
     );
-    assert!(!stderr.contains("stablebuf-preload monitor:"), "no summary when nothing happened");
+    assert!(
+        !stderr.contains("stablebuf-preload monitor:"),
+        "no summary when nothing happened"
+    );
 }
