@@ -221,10 +221,13 @@ impl From<&stablebuf::Error> for Fail {
             },
             E::NoDriver => Fail::NoDriver,
             E::BindDuringCapture => Fail::Capturing(what),
-            E::InvalidShape(_) | E::BufferTooSmall { .. } | E::BeyondCapacity { .. } => {
-                Fail::InvalidValue(what)
-            }
-            E::Asleep | E::Unbound { .. } => Fail::NotPermitted(what),
+            E::InvalidShape(_)
+            | E::BufferTooSmall { .. }
+            | E::BeyondCapacity { .. }
+            | E::UnknownAllocation { .. }
+            | E::SnapshotMismatch { .. }
+            | E::EmptyName => Fail::InvalidValue(what),
+            E::Asleep | E::Unbound { .. } | E::RegionAsleep { .. } => Fail::NotPermitted(what),
             _ => Fail::Internal(what),
         }
     }
@@ -281,6 +284,18 @@ mod tests {
             Fail::from(stablebuf::Error::BindDuringCapture).runtime_code(),
             cuda::STREAM_CAPTURE_UNSUPPORTED
         );
+        let asleep = stablebuf::Error::RegionAsleep {
+            tag: "weights".into(),
+        };
+        assert_eq!(Fail::from(asleep).runtime_code(), cuda::NOT_PERMITTED);
+        let unknown = stablebuf::Error::UnknownAllocation { address: 0x10 };
+        assert_eq!(Fail::from(unknown).driver_code(), cu::INVALID_VALUE);
+        let restore = stablebuf::Error::RestoreOutOfMemory {
+            dataset: 1,
+            asked: 2,
+            free: 1,
+        };
+        assert_eq!(Fail::from(restore).abi_code(), abi::OUT_OF_MEMORY);
     }
 
     #[test]
