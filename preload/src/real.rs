@@ -439,13 +439,17 @@ pub struct ContextGuard {
 }
 
 impl ContextGuard {
+    /// Remembers the current context. With none current, nothing is put back: the layer's
+    /// work leaves the device's primary context current, as the runtime's own first call would.
     pub fn save() -> Self {
         let saved = driver().and_then(|d| d.cuCtxGetCurrent).and_then(|get| {
             let mut ctx: *mut c_void = std::ptr::null_mut();
             // SAFETY: one valid out-pointer.
             (unsafe { get(&mut ctx) } == cu::SUCCESS).then_some(ctx)
         });
-        Self { saved }
+        Self {
+            saved: saved.filter(|ctx| !ctx.is_null()),
+        }
     }
 }
 
@@ -464,8 +468,7 @@ impl Drop for ContextGuard {
         // SAFETY: one valid out-pointer.
         let read = unsafe { get(&mut now) };
         if read != cu::SUCCESS || now != saved {
-            // SAFETY: `saved` was current on this thread when the guard was made (or null,
-            // which unbinds, as it was).
+            // SAFETY: `saved` was current on this thread when the guard was made.
             unsafe { set(saved) };
         }
     }
