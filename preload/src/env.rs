@@ -95,7 +95,8 @@ pub const VARIABLES: &[Variable] = &[
         values: "path.svg",
         default: "none",
         doc: "monitor and vmm: write the address-over-time timeline there at exit (drawn from \
-              recorded events; no CUDA call is made at exit).",
+              recorded events; no CUDA call is made at exit). %p in the path becomes the \
+              process id. A process that allocated nothing writes nothing.",
     },
     Variable {
         name: HOST_ARENA,
@@ -219,6 +220,13 @@ impl Config {
         config.timeline = get(TIMELINE).map(PathBuf::from);
         config.log = get(LOG);
         (config, warnings)
+    }
+
+    /// The timeline's path for process `pid`: `%p` in the variable's value becomes the pid, so
+    /// several processes of one program each write their own.
+    pub fn timeline_path(&self, pid: u32) -> Option<PathBuf> {
+        let path = self.timeline.as_ref()?.to_str()?;
+        Some(PathBuf::from(path.replace("%p", &pid.to_string())))
     }
 
     /// Whether copy elision is in force (it needs vmm mode).
@@ -393,6 +401,18 @@ mod tests {
 
     fn config_vmm_elide() -> (Config, Vec<String>) {
         config(&[(MODE, "vmm"), (ELIDE_COPIES, "yes")])
+    }
+
+    #[test]
+    fn the_timeline_path_takes_the_pid() {
+        let (config, _) = config(&[(TIMELINE, "/tmp/t-%p.svg")]);
+        assert_eq!(config.timeline_path(42), Some(PathBuf::from("/tmp/t-42.svg")));
+        let (plain, _) = config_plain();
+        assert_eq!(plain.timeline_path(42), None);
+    }
+
+    fn config_plain() -> (Config, Vec<String>) {
+        config(&[])
     }
 
     #[test]

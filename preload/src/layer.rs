@@ -449,17 +449,15 @@ impl Layer {
             Mode::Monitor => {
                 let Some(monitor) = &self.monitor else { return };
                 let Ok(log) = monitor.try_lock() else { return };
-                if log.calls().is_empty() && self.config.timeline.is_none() {
-                    return;
+                if log.calls().is_empty() {
+                    return; // a process that never allocated (a shell, a helper): say nothing
                 }
                 (vec![log.summary()], log.events())
             }
             Mode::Vmm => {
                 let Some(engine) = &self.engine else { return };
                 let stats = self.stats();
-                if stats.runtime_allocs + stats.driver_allocs + stats.tags == 0
-                    && self.config.timeline.is_none()
-                {
+                if stats.runtime_allocs + stats.driver_allocs + stats.tags == 0 {
                     return;
                 }
                 let mut lines = vec![vmm_summary(&stats)];
@@ -472,13 +470,13 @@ impl Layer {
         for line in &summary {
             eprintln!("{line}");
         }
-        if let Some(path) = &self.config.timeline {
+        if let Some(path) = self.config.timeline_path(self.pid) {
             let title = format!(
                 "stablebuf-preload ({}) pid {}",
                 self.config.mode.name(),
                 self.pid
             );
-            match stablebuf::pool::timeline::write_svg(&events, &title, path) {
+            match stablebuf::pool::timeline::write_svg(&events, &title, &path) {
                 Ok(()) => eprintln!("stablebuf-preload: timeline written to {}", path.display()),
                 Err(error) => eprintln!(
                     "stablebuf-preload: could not write the timeline to {}: {error}",
