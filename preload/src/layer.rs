@@ -113,9 +113,10 @@ pub fn route() -> Route {
     }
 }
 
-/// Whether copy elision is on (decides whether flush points do anything).
+/// Whether copy elision is on (decides whether flush points do anything). On the hot path of
+/// every launch: one atomic load past the configuration, no system call.
 pub fn eliding() -> bool {
-    LAYER.get().is_some_and(|l| l.config.eliding()) && !in_child()
+    LAYER.get().is_some_and(|l| l.config.eliding()) && !FORKED.load(Ordering::Relaxed)
 }
 
 /// Counts a call as busy inside the layer for its lifetime.
@@ -381,7 +382,7 @@ impl Layer {
         let engine = self.vmm()?;
         let _busy = Busy::new(&self.busy);
         let _context = real::ContextGuard::save();
-        let device = real::current_device()?;
+        let device = real::current_device().or_else(|_| real::driver_current_device())?;
         engine.reserve_host(device, bytes)
     }
 
