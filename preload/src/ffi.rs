@@ -86,14 +86,13 @@ fn flush_point(call: &'static str) {
 #[no_mangle]
 pub unsafe extern "C" fn cudaMalloc(ptr: *mut *mut c_void, size: usize) -> c_int {
     guarded("cudaMalloc", cuda::UNKNOWN, || {
-        // SAFETY (all calls below): arguments are the caller's, passed on unchanged, or our own
-        // locals; `ptr` is written only after a NULL check.
         runtime_alloc(
             "cudaMalloc",
             ptr,
             size,
             |p, s| {
                 let real = real_runtime!(cudaMalloc);
+                // SAFETY: the caller's arguments, passed on unchanged.
                 unsafe { real(p, s) }
             },
             None,

@@ -140,8 +140,7 @@ fn the_c_abi_answers_without_a_gpu() {
     let pause: Pause = function(c"stablebuf_pause");
     let resume: Resume = function(c"stablebuf_resume");
     let error_string: ErrorString = function(c"stablebuf_error_string");
-    // SAFETY (all calls in this test): the prototypes of the header, with valid C strings and
-    // pointers to live locals.
+    // SAFETY: the prototypes of the header, with valid C strings and pointers to live locals.
     unsafe {
         assert_eq!(set_tag(c"abi-test".as_ptr()), abi::OK);
         assert_eq!(
@@ -185,10 +184,8 @@ fn an_older_shorter_stats_struct_gets_only_its_fields() {
     );
     buffer[0] = 4;
     // SAFETY: as above.
-    assert_eq!(
-        unsafe { get(buffer.as_mut_ptr().cast()) },
-        abi::INVALID_ARGUMENT
-    );
+    let refused = unsafe { get(buffer.as_mut_ptr().cast()) };
+    assert_eq!(refused, abi::INVALID_ARGUMENT);
     // SAFETY: NULL is refused, not dereferenced.
     assert_eq!(unsafe { get(std::ptr::null_mut()) }, abi::INVALID_ARGUMENT);
 }
