@@ -406,7 +406,10 @@ mod tests {
     #[test]
     fn the_timeline_path_takes_the_pid() {
         let (config, _) = config(&[(TIMELINE, "/tmp/t-%p.svg")]);
-        assert_eq!(config.timeline_path(42), Some(PathBuf::from("/tmp/t-42.svg")));
+        assert_eq!(
+            config.timeline_path(42),
+            Some(PathBuf::from("/tmp/t-42.svg"))
+        );
         let (plain, _) = config_plain();
         assert_eq!(plain.timeline_path(42), None);
     }

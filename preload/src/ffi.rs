@@ -393,9 +393,12 @@ pub unsafe extern "C" fn cudaGetDriverEntryPoint(
 ) -> c_int {
     guarded("cudaGetDriverEntryPoint", cuda::UNKNOWN, || {
         let real = real_runtime!(cudaGetDriverEntryPoint);
+        // A lookup made from inside the layer, or by CUDA inside an outer lookup, passes
+        // through untouched: the outermost one substitutes.
+        let inside = Inside::enter();
         // SAFETY: the caller's arguments, passed on unchanged.
         let code = unsafe { real(symbol, func, flags, status) };
-        if code == cuda::SUCCESS {
+        if code == cuda::SUCCESS && inside.is_some() {
             // SAFETY: checked for NULL inside; `symbol` is the caller's C string.
             unsafe { substitute_entry(symbol, func, i32::MAX, flags) };
         }
@@ -413,9 +416,12 @@ pub unsafe extern "C" fn cudaGetDriverEntryPointByVersion(
 ) -> c_int {
     guarded("cudaGetDriverEntryPointByVersion", cuda::UNKNOWN, || {
         let real = real_runtime!(cudaGetDriverEntryPointByVersion);
+        // A lookup made from inside the layer, or by CUDA inside an outer lookup, passes
+        // through untouched: the outermost one substitutes.
+        let inside = Inside::enter();
         // SAFETY: the caller's arguments, passed on unchanged.
         let code = unsafe { real(symbol, func, version, flags, status) };
-        if code == cuda::SUCCESS {
+        if code == cuda::SUCCESS && inside.is_some() {
             let version = i32::try_from(version).unwrap_or(i32::MAX);
             // SAFETY: checked for NULL inside; `symbol` is the caller's C string.
             unsafe { substitute_entry(symbol, func, version, flags) };
@@ -454,6 +460,9 @@ unsafe fn substitute_entry(
         returned: real::driver_function_named(found as usize),
     };
     if let Some(hook) = entry::substitute(&lookup, layer::eliding()).and_then(driver_hook) {
+        if hook == found {
+            return; // already the hook (a nested lookup handed it out)
+        }
         // SAFETY: as above; the hook has the prototype of the function it replaces.
         unsafe { *func = hook };
         Counters::bump(&layer.counters.entry_points);
@@ -560,9 +569,12 @@ pub unsafe extern "C" fn cuGetProcAddress(
 ) -> c_int {
     guarded("cuGetProcAddress", cu::UNKNOWN, || {
         let real = real_driver!(cuGetProcAddress);
+        // A lookup made from inside the layer, or by CUDA inside an outer lookup, passes
+        // through untouched: the outermost one substitutes.
+        let inside = Inside::enter();
         // SAFETY: the caller's arguments, passed on unchanged.
         let code = unsafe { real(symbol, pfn, version, flags) };
-        if code == cu::SUCCESS {
+        if code == cu::SUCCESS && inside.is_some() {
             // SAFETY: checked for NULL inside.
             unsafe { substitute_entry(symbol, pfn, version, flags) };
         }
@@ -581,9 +593,12 @@ pub unsafe extern "C" fn cuGetProcAddress_v2(
 ) -> c_int {
     guarded("cuGetProcAddress_v2", cu::UNKNOWN, || {
         let real = real_driver!(cuGetProcAddress_v2);
+        // A lookup made from inside the layer, or by CUDA inside an outer lookup, passes
+        // through untouched: the outermost one substitutes.
+        let inside = Inside::enter();
         // SAFETY: the caller's arguments, passed on unchanged.
         let code = unsafe { real(symbol, pfn, version, flags, status) };
-        if code == cu::SUCCESS {
+        if code == cu::SUCCESS && inside.is_some() {
             // SAFETY: checked for NULL inside.
             unsafe { substitute_entry(symbol, pfn, version, flags) };
         }

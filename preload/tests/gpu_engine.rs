@@ -47,7 +47,9 @@ fn read(ctx: &CudaContext, address: u64, count: usize) -> Vec<u32> {
 }
 
 fn pattern(count: usize, seed: u32) -> Vec<u32> {
-    (0..count as u32).map(|i| i.wrapping_mul(2_654_435_761) ^ seed).collect()
+    (0..count as u32)
+        .map(|i| i.wrapping_mul(2_654_435_761) ^ seed)
+        .collect()
 }
 
 #[test]
@@ -69,11 +71,19 @@ fn untagged_memory_and_copy_elision_on_a_gpu() {
     };
     assert_eq!(engine.copy(copy).unwrap(), Copied::Deferred);
     assert_eq!(engine.free(a).unwrap(), Freed::Done);
-    assert_eq!(Counters::get(&counters.copies_elided), 1, "grafted, not copied");
+    assert_eq!(
+        Counters::get(&counters.copies_elided),
+        1,
+        "grafted, not copied"
+    );
     assert_eq!(read(&ctx, b, bytes / 4), data, "b starts with a's bytes");
     let tail = pattern(bytes / 4, 9);
     write(&ctx, b + bytes as u64, &tail);
-    assert_eq!(read(&ctx, b + bytes as u64, bytes / 4), tail, "b's tail is backed");
+    assert_eq!(
+        read(&ctx, b + bytes as u64, bytes / 4),
+        tail,
+        "b's tail is backed"
+    );
     assert_eq!(engine.free(b).unwrap(), Freed::Done);
     assert_eq!(engine.view().live_allocations, 0);
 }
@@ -90,7 +100,11 @@ fn a_tag_pauses_and_resumes_with_its_contents() {
     let (before, _) = stablebuf::memory_info(&ctx).unwrap();
     let paused = engine.pause(Some("weights"), true).unwrap();
     let (after, _) = stablebuf::memory_info(&ctx).unwrap();
-    assert!(after >= before + bytes, "pause freed {} bytes", after - before);
+    assert!(
+        after >= before + bytes,
+        "pause freed {} bytes",
+        after - before
+    );
     assert_eq!(paused.copied, bytes);
     assert!(matches!(
         engine.alloc(0, MIB, Some(tag.clone())),
