@@ -95,8 +95,8 @@ impl Failure {
             E::RestoreOutOfMemory { asked, free, .. } => Self::new(
                 Kind::OutOfMemory,
                 format!(
-                    "out of device memory: waking needs {asked} bytes ({}), {free} bytes ({}) are \
-                     free; the region stays asleep with its host copy, retry once memory is free",
+                    "out of device memory: waking asked for {asked} bytes ({}), {free} bytes ({}) \
+                     are free; the region stays asleep with its host copy, retry once memory is free",
                     gib(*asked),
                     gib(*free)
                 ),

@@ -41,9 +41,7 @@ def _torch() -> "Any":
     try:
         import torch
     except ImportError as missing:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "stablebuf's PyTorch glue needs torch (pip install torch)"
-        ) from missing
+        raise ImportError("stablebuf's PyTorch glue needs torch (pip install torch)") from missing
     if not torch.cuda.is_available():
         raise Error("stablebuf regions need a CUDA device, and torch sees none")
     return torch
@@ -289,9 +287,7 @@ def stats() -> Dict[str, Dict[str, Any]]:
             continue
         try:
             segments = found[1].snapshot(include_traces=False)
-        except TypeError:  # older torch: no include_traces
-            segments = found[1].snapshot()
-        except Exception:  # noqa: BLE001 - the pool's own view is optional
+        except Exception:  # noqa: BLE001 - PyTorch's view is extra; the region's is above
             continue
         in_tensors = sum(int(s.get("allocated_size", 0)) for s in segments)
         total = sum(int(s.get("total_size", 0)) for s in segments)

@@ -33,9 +33,7 @@ class CUDAGraph(torch.cuda.CUDAGraph):
 
     def __init__(self, tags: Optional[Tags] = None, keep_graph: bool = False) -> None:
         super().__init__(keep_graph)
-        self._guarded: Optional[Tuple[str, ...]] = (
-            None if tags is None else tuple(_as_tags(tags))
-        )
+        self._guarded: Optional[Tuple[str, ...]] = None if tags is None else tuple(_as_tags(tags))
 
     @property
     def guarded_tags(self) -> Tuple[str, ...]:
