@@ -17,7 +17,7 @@ replay-while-paused runs in a subprocess, because it faults and takes the CUDA c
 Exit status 1 if a check fails; the speed target (≥ 10× faster pause+resume than
 torch_memory_saver, steady state) is reported, not enforced.
 
-Run: ``python python/examples/sleep_wake.py [--sizes 1,8] [--cycles 3]``.
+Run: ``python python/examples/sleep_wake.py [--sizes 1,8] [--cycles 2]``.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ DIM = 8192  # one 8192x8192 bf16 matrix is 128 MiB
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="1,8", help="model sizes in GiB, comma-separated")
-    parser.add_argument("--cycles", type=int, default=3, help="pause/resume cycles per tool")
+    parser.add_argument("--cycles", type=int, default=2, help="steady-state cycles per tool")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument(
         "--require-tms", action="store_true", help="fail if torch_memory_saver is missing"
@@ -235,10 +235,10 @@ def tms_subprocess_outcome() -> str:
             [sys.executable, __file__, "--tms-replay-while-paused"],
             capture_output=True,
             text=True,
-            timeout=180,
+            timeout=90,
         )
     except subprocess.TimeoutExpired:
-        return "subprocess hung (killed after 180 s)"
+        return "subprocess hung (killed after 90 s)"
     said = [
         line[len("SUBPROCESS ") :]
         for line in proc.stdout.splitlines()
