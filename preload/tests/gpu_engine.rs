@@ -13,7 +13,21 @@ use stablebuf_preload::stats::Counters;
 
 const MIB: usize = 1 << 20;
 
+/// Loads the CUDA runtime into this process, as a CUDA program would have: the engine performs
+/// deferred copies through the real `cudaMemcpy`, which it finds among loaded objects.
+fn load_cuda_runtime() {
+    for name in [c"libcudart.so.13", c"libcudart.so.12", c"libcudart.so"] {
+        // SAFETY: dlopen with a valid C string; the handle is kept for the life of the process.
+        let handle = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
+        if !handle.is_null() {
+            return;
+        }
+    }
+    panic!("this test needs libcudart on LD_LIBRARY_PATH (the bundle runner adds /usr/local/cuda/lib64)");
+}
+
 fn engine(elide: bool) -> (Engine<GpuDevice>, Arc<Counters>, Arc<CudaContext>) {
+    load_cuda_runtime();
     let ctx = stablebuf::open_device(0).expect("a CUDA device");
     let options = GpuOptions {
         budget: None,
