@@ -38,8 +38,16 @@ fn settle(gpu: &Gpu, bytes: usize) {
     }
 }
 
+/// A kernel writes the whole dataset, as the work before a sleep would, and the GPU finishes.
+fn touch(gpu: &Gpu, dataset: &Dataset) {
+    let view = dataset.view::<f32>("d", &gpu.stream).unwrap();
+    gpu.kernels.fill(&gpu.stream, &view, 1.0).unwrap();
+    gpu.stream.synchronize().unwrap();
+}
+
 /// Offload then restore, timed separately; `settled` waits between the two.
 fn cycle(gpu: &Gpu, dataset: &mut Dataset, storage: &HostStorage, settled: bool) -> (f64, f64) {
+    touch(gpu, dataset);
     let out = dataset.offload(storage, &gpu.stream).unwrap();
     if settled {
         settle(gpu, dataset.bytes());
@@ -50,6 +58,7 @@ fn cycle(gpu: &Gpu, dataset: &mut Dataset, storage: &HostStorage, settled: bool)
 
 /// The floor: a raw copy of the dataset's bytes to the pinned buffer and back.
 fn floor(gpu: &Gpu, dataset: &Dataset, host: &mut PinnedHostSlice<u8>, size: usize) -> (f64, f64) {
+    touch(gpu, dataset);
     let mut view = dataset.view::<u8>("d", &gpu.stream).unwrap();
     let d2h = seconds(|| {
         // Exact-size slices: cudarc copies the host side's whole length.
