@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex, Weak};
 use cudarc::driver::{CudaContext, CudaStream, DeviceRepr};
 
 use crate::driver;
-use crate::driver::vmm::{Location, Mapping, Physical};
+use crate::driver::vmm::{Location, Mapping, Physical, Reservation};
 use crate::error::{Error, Result};
 use crate::fence::{Fence, FencePolicy};
 use crate::host::{self, HostCopy, HostStorage, StorageUsed, TransferReport};
@@ -87,7 +87,12 @@ impl std::fmt::Debug for RefillFn {
 #[derive(Debug)]
 enum Residency {
     Device(Mapping),
-    Host(HostCopy),
+    /// Offloaded. The home address range stays reserved, so a restore maps the new memory at the
+    /// same home address without reserving (and later freeing) addresses again.
+    Host {
+        copy: HostCopy,
+        home: Arc<Reservation>,
+    },
 }
 
 impl Dataset {
@@ -192,7 +197,7 @@ impl Dataset {
     fn home(&self) -> Result<&Mapping> {
         match &self.residency {
             Residency::Device(home) => Ok(home),
-            Residency::Host(_) => Err(Error::Offloaded { dataset: self.id }),
+            Residency::Host { .. } => Err(Error::Offloaded { dataset: self.id }),
         }
     }
 
@@ -252,7 +257,7 @@ impl Dataset {
                 storage: StorageUsed::Discarded,
             });
         };
-        let home_ptr = home.ptr();
+        let (home_ptr, home_reservation) = (home.ptr(), home.reservation().clone());
         let mut copy = None;
         let report = host::timed(id, bytes, "offload", || {
             // Nothing may still write the memory while it is copied out.
@@ -281,19 +286,27 @@ impl Dataset {
         })?;
         if let Some(copy) = copy {
             // Dropping the home mapping unmaps and releases the memory (no space maps it now).
-            self.residency = Residency::Host(copy);
+            self.residency = Residency::Host {
+                copy,
+                home: home_reservation,
+            };
         }
         Ok(report)
     }
 
-    /// Brings an offloaded dataset back into new device memory (no-op if resident). Bind it
-    /// again to put it under a space's slots.
+    /// Brings an offloaded dataset back into new device memory (no-op if resident), at the same
+    /// home address it had before the offload ([`Dataset::home_ptr`]). Bind it again to put it
+    /// under a space's slots.
     ///
     /// On out-of-memory returns [`Error::RestoreOutOfMemory`] with what was asked and what is
     /// free; the host copy is kept, and a retry after memory is freed succeeds.
     pub fn restore(&mut self, stream: &Arc<CudaStream>) -> Result<TransferReport> {
         let (id, bytes) = (self.id, self.bytes);
-        let Residency::Host(copy) = &self.residency else {
+        let Residency::Host {
+            copy,
+            home: reservation,
+        } = &self.residency
+        else {
             return Ok(TransferReport {
                 dataset: id,
                 bytes: 0,
@@ -303,21 +316,23 @@ impl Dataset {
         };
         let mut home = None;
         let report = host::timed(id, bytes, "restore", || {
-            let mapped = match Physical::new_at(&self.ctx, bytes, self.shareable, self.location)
-                .and_then(|physical| Mapping::alone(&self.ctx, &Arc::new(physical), &self.access))
-            {
-                Err(Error::OutOfMemory { .. }) => {
-                    let free = driver::memory_info(&self.ctx)
-                        .map(|(free, _)| free)
-                        .unwrap_or(0);
-                    return Err(Error::RestoreOutOfMemory {
-                        dataset: id,
-                        asked: bytes,
-                        free,
-                    });
-                }
-                other => other?,
-            };
+            // Same home address as before the offload: only create and map.
+            let mapped =
+                match Physical::new_at(&self.ctx, bytes, self.shareable, self.location).and_then(|physical| {
+                    Mapping::new(reservation, 0, &Arc::new(physical), 0, bytes, &self.access)
+                }) {
+                    Err(Error::OutOfMemory { .. }) => {
+                        let free = driver::memory_info(&self.ctx)
+                            .map(|(free, _)| free)
+                            .unwrap_or(0);
+                        return Err(Error::RestoreOutOfMemory {
+                            dataset: id,
+                            asked: bytes,
+                            free,
+                        });
+                    }
+                    other => other?,
+                };
             host::copy::load(copy, stream, mapped.ptr(), bytes)?;
             let used = copy.storage();
             home = Some(mapped);

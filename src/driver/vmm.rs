@@ -302,24 +302,98 @@ impl Mapping {
                 physical.bytes()
             )));
         }
+        let mapping = Self::map_only(reservation, offset, physical, physical_offset, bytes)?;
+        set_access(mapping.ptr, bytes, access_devices)?; // on error `mapping` drops and unmaps
+        Ok(mapping)
+    }
+
+    /// `cuMemMap` alone: the range is mapped but no device may access it yet. The caller checked
+    /// the bounds and sets access before handing the mapping out.
+    fn map_only(
+        reservation: &Arc<Reservation>,
+        offset: usize,
+        physical: &Arc<Physical>,
+        physical_offset: usize,
+        bytes: usize,
+    ) -> Result<Self> {
         bind_context(&reservation.ctx)?;
         let ptr = reservation.base() + offset as u64;
         let handle = physical.handle;
         traced_raw("cuMemMap", bytes, || {
-            // SAFETY: [ptr, ptr + bytes) lies inside a live reservation (checked above) and the
-            // handle is live; an overlap with an existing mapping is reported by the driver.
+            // SAFETY: [ptr, ptr + bytes) lies inside a live reservation (checked by the caller)
+            // and the handle is live; an overlap with an existing mapping is reported by the
+            // driver.
             unsafe { sys::cuMemMap(ptr, bytes, physical_offset, handle, 0) }
         })?;
-        let mapping = Self {
+        Ok(Self {
             ptr,
             bytes,
             physical: physical.clone(),
             reservation: reservation.clone(),
             leak: false,
             exposed: AtomicBool::new(false),
+        })
+    }
+
+    /// Maps each of `physicals` whole, side by side from `reservation`'s base + `offset`, then
+    /// grants read-write access to `access_devices` over the whole run with ONE
+    /// `cuMemSetAccess` (the driver accepts a range that spans several allocations as long as
+    /// all of it is mapped). Stitching many chunks this way pays one set-access instead of one per
+    /// chunk. If the driver refuses the spanning call, access is granted per mapping instead.
+    ///
+    /// All or nothing: on any error every mapping made so far is unmapped before returning.
+    pub fn new_many(
+        reservation: &Arc<Reservation>,
+        offset: usize,
+        physicals: &[Arc<Physical>],
+        access_devices: &[usize],
+    ) -> Result<Vec<Self>> {
+        let total = physicals
+            .iter()
+            .try_fold(0usize, |sum, p| sum.checked_add(p.bytes()));
+        let fits = |total: usize| {
+            total > 0
+                && offset
+                    .checked_add(total)
+                    .is_some_and(|end| end <= reservation.bytes())
         };
-        mapping.set_access(access_devices)?; // on error `mapping` drops and unmaps
-        Ok(mapping)
+        let Some(total) = total.filter(|&t| fits(t)) else {
+            return Err(Error::InvalidShape(format!(
+                "mapping {} allocations at offset {offset} of a {} byte reservation",
+                physicals.len(),
+                reservation.bytes()
+            )));
+        };
+        let mut made: Vec<Self> = Vec::with_capacity(physicals.len());
+        let mut at = offset;
+        for physical in physicals {
+            // On error `made` drops here and unmaps what was mapped.
+            made.push(Self::map_only(
+                reservation,
+                at,
+                physical,
+                0,
+                physical.bytes(),
+            )?);
+            at += physical.bytes();
+        }
+        let start = reservation.base() + offset as u64;
+        if made.len() == 1 {
+            set_access(start, total, access_devices)?;
+            return Ok(made);
+        }
+        if let Err(spanning) = set_access(start, total, access_devices) {
+            tracing::warn!(%spanning, mappings = made.len(), "the driver refused one set-access over several mappings; setting it per mapping");
+            for mapping in &made {
+                set_access(mapping.ptr, mapping.bytes, access_devices)?;
+            }
+        }
+        Ok(made)
+    }
+
+    /// The reservation this mapping lives in.
+    pub(crate) fn reservation(&self) -> &Arc<Reservation> {
+        &self.reservation
     }
 
     /// `physical` mapped whole at a fresh reservation of its own: a private address for it.
@@ -331,24 +405,6 @@ impl Mapping {
         let bytes = physical.bytes();
         let reservation = Arc::new(Reservation::new(ctx, bytes, granularity(ctx, false)?)?);
         Self::new(&reservation, 0, physical, 0, bytes, access_devices)
-    }
-
-    fn set_access(&self, devices: &[usize]) -> Result<()> {
-        let descriptors: Vec<sys::CUmemAccessDesc> = devices
-            .iter()
-            .map(|&ordinal| {
-                // SAFETY: a plain C struct for which all-zero bytes are valid.
-                let mut desc: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
-                desc.location = device_location(ordinal as i32);
-                desc.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-                desc
-            })
-            .collect();
-        let (ptr, bytes) = (self.ptr, self.bytes);
-        traced_raw("cuMemSetAccess", bytes, || {
-            // SAFETY: the range is exactly one live mapping; `descriptors` outlives the call.
-            unsafe { sys::cuMemSetAccess(ptr, bytes, descriptors.as_ptr(), descriptors.len()) }
-        })
     }
 
     pub fn ptr(&self) -> sys::CUdeviceptr {
@@ -374,6 +430,26 @@ impl Mapping {
     pub(crate) fn leak_on_drop(&mut self) {
         self.leak = true;
     }
+}
+
+/// Grants read-write access to `devices` over `[ptr, ptr + bytes)`, which the caller has fully
+/// mapped (one mapping, or several side by side) with mappings it owns.
+fn set_access(ptr: sys::CUdeviceptr, bytes: usize, devices: &[usize]) -> Result<()> {
+    let descriptors: Vec<sys::CUmemAccessDesc> = devices
+        .iter()
+        .map(|&ordinal| {
+            // SAFETY: a plain C struct for which all-zero bytes are valid.
+            let mut desc: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
+            desc.location = device_location(ordinal as i32);
+            desc.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+            desc
+        })
+        .collect();
+    traced_raw("cuMemSetAccess", bytes, || {
+        // SAFETY: the range is mapped end to end by live mappings the caller owns (a gap is
+        // reported by the driver, not acted on); `descriptors` outlives the call.
+        unsafe { sys::cuMemSetAccess(ptr, bytes, descriptors.as_ptr(), descriptors.len()) }
+    })
 }
 
 impl Drop for Mapping {
