@@ -36,6 +36,8 @@ fn a_dataset_in_host_memory_binds_under_device_slots_and_replays_read_it_in_plac
         space.slot("out").unwrap().clone(),
     );
     let kernels = gpu.kernels.clone();
+    // Copy nodes check their addresses when captured: capture with a dataset bound.
+    space.bind(&local).unwrap();
     let graph = StableGraph::capture(&gpu.stream, &[&space], move |s| {
         copy_between(s, &out, 0, &w, 0, w.bytes())?;
         kernels.affine(s, &out, 3.0, -1.0)

@@ -525,9 +525,11 @@ impl RegionState {
             mapped: span_mapped + pieces_mapped,
             mappings: self.pieces.len() + usize::from(self.span.is_some()),
             asleep: self.sleeping.is_some(),
+            // Discarded bytes are not held anywhere.
             host_bytes: self
                 .sleeping
                 .as_ref()
+                .filter(|s| s.copy.storage() != StorageUsed::Discarded)
                 .map_or(0, |s| s.runs.iter().map(|r| r.2).sum()),
         }
     }
