@@ -28,7 +28,9 @@ use crate::view::{self, SlotView};
 /// One slot of a dataset, at an offset from the dataset's start.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DatasetSlot {
+    /// The slot's name in the layout.
     pub name: String,
+    /// Input or output (a dataset holds no scratch slots).
     pub role: Role,
     /// Offset inside the dataset (a multiple of the granularity).
     pub offset: usize,
@@ -168,10 +170,15 @@ impl Dataset {
         self.layout_fingerprint
     }
 
+    /// The group's slots, in layout order, with their offsets inside this dataset: slot `s`
+    /// is at [`home_ptr`](Self::home_ptr)` + s.offset` here, and at the space's slot address
+    /// when bound.
     pub fn slots(&self) -> &[DatasetSlot] {
         &self.slots
     }
 
+    /// The CUDA context (device) whose memory this is; it binds only into spaces of the same
+    /// device.
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
     }
@@ -209,6 +216,7 @@ impl Dataset {
         self.tag = Some(tag.into());
     }
 
+    /// The label set by [`set_tag`](Self::set_tag), if any.
     pub fn tag(&self) -> Option<&str> {
         self.tag.as_deref()
     }
