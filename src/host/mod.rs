@@ -33,6 +33,7 @@ pub enum HostStorage {
 
 /// Which path a transfer took.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum StorageUsed {
     /// A region of the pinned arena.
     Arena,
@@ -44,12 +45,18 @@ pub enum StorageUsed {
     Discarded,
 }
 
-/// What one offload or restore did.
+/// What one offload or restore (of a dataset, or a region's sleep or wake) did.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct TransferReport {
+    /// Id of the dataset ([`Dataset::id`](crate::Dataset::id)) or region moved.
     pub dataset: u64,
+    /// Bytes moved; 0 when there was nothing to do (already offloaded, already resident).
     pub bytes: usize,
+    /// Wall-clock time of the whole operation, from the call until the copies were complete
+    /// (waiting for the GPU and releasing or mapping memory included).
     pub elapsed: Duration,
+    /// Which path the bytes took.
     pub storage: StorageUsed,
 }
 
