@@ -41,14 +41,19 @@ pub struct Lane {
 }
 
 impl Lane {
+    /// The lane's space: read its outputs here (`lane.space().read(lane.stream(), "y")`)
+    /// after the lane's step.
     pub fn space(&self) -> &Space {
         &self.space
     }
 
+    /// The lane's own stream: its replays run here, and reading outputs on it orders the read
+    /// after the lane's last replay.
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
     }
 
+    /// The graph captured over the lane's space, replayed by [`Pipeline::step`].
     pub fn graph(&self) -> &StableGraph {
         &self.graph
     }
@@ -113,6 +118,8 @@ impl Pipeline {
         Ok(&self.lanes[index])
     }
 
+    /// Every lane, in the order [`step`](Self::step) uses them (step `i` runs on lane
+    /// `i % lanes().len()`, counting from the first step).
     pub fn lanes(&self) -> &[Lane] {
         &self.lanes
     }
