@@ -256,7 +256,7 @@ pub enum Error {
         asked: usize,
         /// Bytes the pool had cached (unmapped, kept for reuse) when the request came.
         cached: usize,
-        /// Bytes of physical memory the pool held (mapped plus cached) when the request came.
+        /// Bytes of physical memory mapped into the pool's blocks when the request came.
         held: usize,
         /// Bytes of cache released before the retry.
         drained: usize,
@@ -272,7 +272,8 @@ pub enum Error {
         asked: usize,
         /// The limit, in bytes.
         limit: usize,
-        /// Bytes already held under that limit.
+        /// Bytes already mapped under that limit (the tenant's blocks, or every tenant's for the
+        /// pool budget).
         held: usize,
     },
 
