@@ -201,7 +201,8 @@ impl Dataset {
 
     /// A new file descriptor for this dataset's memory, owned by the caller (closed on drop), for
     /// passing to another process. The dataset must come from a space with
-    /// `SpaceOptions::shareable`; [`send_dataset`](crate::send_dataset) does this and sends it.
+    /// [`SpaceOptions::shareable`](crate::SpaceOptions::shareable);
+    /// [`send_dataset`](crate::send_dataset) does this and sends it.
     pub fn export(&self) -> Result<std::os::fd::OwnedFd> {
         self.physical()?.export()
     }

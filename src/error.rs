@@ -110,7 +110,8 @@ pub enum Error {
         reason: String,
     },
 
-    /// Export asked of memory not created shareable (`SpaceOptions::shareable`).
+    /// Export asked of memory not created shareable
+    /// ([`SpaceOptions::shareable`](crate::SpaceOptions::shareable)).
     #[error("the dataset was not created shareable")]
     NotShareable,
 

@@ -23,8 +23,9 @@ use crate::error::Result;
 ///   Outputs land in the dataset itself.
 /// - `CopyIn` keeps memory the space owns under the slots and copies the dataset's *input*
 ///   slots into it. The cost is proportional to the bytes, and the space needs the group's size
-///   again in memory. Outputs land in the space's memory; `Space::copy_out` copies them into
-///   the dataset when you need them there.
+///   again in memory. Outputs land in the space's memory;
+///   [`Space::copy_out`](crate::Space::copy_out) copies them into the dataset when you need
+///   them there.
 /// - `Auto` resolves to one of the two when the space is created, using the cost model for the
 ///   group's size.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -1,6 +1,8 @@
 //! Host memory for offloaded bytes: where they go ([`HostStorage`]), the pinned [`HostArena`],
-//! and the copies to and from the device. `Dataset::offload`/`restore`, `Region::sleep`/`wake`
-//! and `Space::sleep`/`wake` handle binding, release and identity on top of this.
+//! and the copies to and from the device. [`Dataset::offload`](crate::Dataset::offload) /
+//! [`restore`](crate::Dataset::restore), [`Region::sleep`](crate::region::Region::sleep) /
+//! [`wake`](crate::region::Region::wake) and [`Space::sleep`](crate::Space::sleep) /
+//! [`wake`](crate::Space::wake) handle binding, release and identity on top of this.
 //!
 //! | storage | offload / restore speed | host cost | use when |
 //! | --- | --- | --- | --- |
