@@ -25,14 +25,22 @@
 //!
 //! fn run(args: &Args) -> stablebuf::Result<()> {
 //!     let ctx = args.common.open_device()?; // not `stablebuf::open_device`: see below
+//!     let stream = ctx.new_stream()?;
+//!     let mut step_us = Vec::new();
 //!     let bar = support::progress(args.steps as u64, "steps");
 //!     for _ in 0..args.steps {
-//!         // ... work that prints nothing while the bar is up ...
+//!         let start = std::time::Instant::now();
+//!         stream.synchronize()?; // the step being measured; print nothing while the bar is up
+//!         step_us.push(start.elapsed().as_secs_f64() * 1e6);
 //!         bar.inc(1);
 //!     }
 //!     bar.finish_and_clear();
 //!     let mut table = support::table(["what", "p50 µs", "p99 µs"]);
-//!     table.add_row(["step".to_string(), format!("{:.1}", support::percentile(&[1.0], 0.5)), ...]);
+//!     table.add_row([
+//!         "step".to_string(),
+//!         format!("{:.1}", support::percentile(&step_us, 0.5)),
+//!         format!("{:.1}", support::percentile(&step_us, 0.99)),
+//!     ]);
 //!     println!("{table}");
 //!     Ok(())
 //! }
