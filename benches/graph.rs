@@ -1,12 +1,11 @@
 //! Graph replay vs the same kernels launched one by one, and an exec update check vs
-//! re-capture + instantiate. Same process, same kernels.
+//! re-capture + instantiate. Same process, same kernels, variants in paired rounds.
 
 mod common;
 
 use std::sync::Arc;
-use std::time::Instant;
 
-use common::{criterion, gpu, Recorder};
+use common::{criterion, gpu, seconds, Ratio, Recorder, Variants};
 use stablebuf::{Layout, MatmulKernel, Space, StableGraph};
 
 const LAUNCH: &str = "replay vs stream launches (64x64 matmul kernels)";
@@ -47,73 +46,51 @@ fn main() {
                 Ok(())
             }
         };
-        let mut graph = space.capture(&gpu.stream, work.clone()).unwrap();
+        let graph = std::cell::RefCell::new(space.capture(&gpu.stream, work.clone()).unwrap());
         let mut group = c.benchmark_group(LAUNCH);
-        group.bench_function(format!("stream/{row}"), |bench| {
-            bench.iter_custom(|iters| {
-                let start = Instant::now();
-                for _ in 0..iters {
+        Variants::new(LAUNCH)
+            .add("stream", || {
+                seconds(|| {
                     work.clone()(&gpu.stream).unwrap();
                     gpu.stream.synchronize().unwrap();
-                }
-                let t = start.elapsed();
-                rec.record(LAUNCH, &row, "stream", t.as_secs_f64() / iters as f64);
-                t
+                })
             })
-        });
-        group.bench_function(format!("replay/{row}"), |bench| {
-            bench.iter_custom(|iters| {
-                let start = Instant::now();
-                for _ in 0..iters {
-                    graph.replay().unwrap();
+            .add("replay", || {
+                seconds(|| {
+                    graph.borrow().replay().unwrap();
                     gpu.stream.synchronize().unwrap();
-                }
-                let t = start.elapsed();
-                rec.record(LAUNCH, &row, "replay", t.as_secs_f64() / iters as f64);
-                t
+                })
             })
-        });
+            .bench(&mut group, &rec, &row);
         group.finish();
         let mut group = c.benchmark_group(UPDATE);
-        group.bench_function(format!("update-check/{row}"), |bench| {
-            bench.iter_custom(|iters| {
-                let start = Instant::now();
-                for _ in 0..iters {
-                    assert!(graph.check_update().unwrap().is_success());
-                }
-                let t = start.elapsed();
-                rec.record(UPDATE, &row, "update-check", t.as_secs_f64() / iters as f64);
-                t
+        Variants::new(UPDATE)
+            .add("update-check", || {
+                seconds(|| assert!(graph.borrow_mut().check_update().unwrap().is_success()))
             })
-        });
-        group.bench_function(format!("recapture+instantiate/{row}"), |bench| {
-            bench.iter_custom(|iters| {
-                let start = Instant::now();
-                for _ in 0..iters {
-                    drop(StableGraph::capture(&gpu.stream, &[&space], work.clone()).unwrap());
-                }
-                let t = start.elapsed();
-                rec.record(UPDATE, &row, "recapture", t.as_secs_f64() / iters as f64);
-                t
+            .add("recapture", || {
+                seconds(|| {
+                    drop(StableGraph::capture(&gpu.stream, &[&space], work.clone()).unwrap())
+                })
             })
-        });
+            .bench(&mut group, &rec, &row);
         group.finish();
     }
     c.final_summary();
-    rec.table(
+    rec.paired_table(
         LAUNCH,
         &["stream", "replay"],
         &rows,
         "µs, launch + sync",
         1e6,
-        &[("stream", "replay")],
+        &[Ratio::of("stream", "replay")],
     );
-    rec.table(
+    rec.paired_table(
         UPDATE,
         &["update-check", "recapture"],
         &rows,
         "µs",
         1e6,
-        &[("recapture", "update-check")],
+        &[Ratio::of("recapture", "update-check")],
     );
 }

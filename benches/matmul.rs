@@ -1,14 +1,15 @@
-//! The register-tiled PTX matmul vs cuBLAS SGEMM (FP32, TF32 off), GPU time by CUDA events.
+//! The register-tiled PTX matmul vs cuBLAS SGEMM (FP32, TF32 off), GPU time by CUDA events,
+//! in paired rounds.
 
 mod common;
 
-use std::time::Duration;
-
-use common::{criterion, gpu, Recorder};
+use common::{criterion, gpu, Ratio, Recorder, Variants};
 use stablebuf::cudarc::driver::sys::CUevent_flags;
 use stablebuf::{Blas, Layout, MatmulKernel, Space, RECOMMENDED_WORKSPACE};
 
 const GROUP: &str = "matmul";
+/// Launches per timed variant run: two, so the events' own overhead is small even at 1024^3.
+const LAUNCHES: usize = 2;
 
 fn main() {
     let Some(gpu) = gpu() else { return };
@@ -35,57 +36,62 @@ fn main() {
         let blas = Blas::new(&gpu.stream, space.slot("ws").unwrap()).unwrap();
         let row = format!("{n}^3");
         let mut group = c.benchmark_group(GROUP);
-        group.throughput(criterion::Throughput::Elements(2 * (n as u64).pow(3)));
-        for variant in ["ptx-regtile", "cublas"] {
-            let launch = || match variant {
-                "cublas" => blas.sgemm(&a, &b, &cc, n, n, n).unwrap(),
-                _ => assert_eq!(
-                    gpu.kernels
-                        .matmul(
-                            &gpu.stream,
-                            MatmulKernel::RegisterTiled,
-                            &a,
-                            &b,
-                            &cc,
-                            n,
-                            n,
-                            n
-                        )
-                        .unwrap(),
-                    MatmulKernel::RegisterTiled
-                ),
+        group
+            .throughput(criterion::Throughput::Elements(2 * (n as u64).pow(3)))
+            .sampling_mode(criterion::SamplingMode::Flat);
+        let launch = |variant: &str| match variant {
+            "cublas" => blas.sgemm(&a, &b, &cc, n, n, n).unwrap(),
+            _ => assert_eq!(
+                gpu.kernels
+                    .matmul(
+                        &gpu.stream,
+                        MatmulKernel::RegisterTiled,
+                        &a,
+                        &b,
+                        &cc,
+                        n,
+                        n,
+                        n
+                    )
+                    .unwrap(),
+                MatmulKernel::RegisterTiled
+            ),
+        };
+        // GPU seconds per launch, from events around a few back-to-back launches.
+        let gpu_time = |variant: &str| {
+            let event = || {
+                gpu.ctx
+                    .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                    .unwrap()
             };
-            launch();
-            gpu.stream.synchronize().unwrap();
-            group.bench_function(format!("{variant}/{n}"), |bench| {
-                bench.iter_custom(|iters| {
-                    let start = gpu
-                        .ctx
-                        .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                        .unwrap();
-                    let end = gpu
-                        .ctx
-                        .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                        .unwrap();
-                    start.record(&gpu.stream).unwrap();
-                    for _ in 0..iters {
-                        launch();
-                    }
-                    end.record(&gpu.stream).unwrap();
-                    let seconds = f64::from(start.elapsed_ms(&end).unwrap()) / 1e3;
-                    rec.record(GROUP, &row, variant, seconds / iters as f64);
-                    Duration::from_secs_f64(seconds)
-                })
-            });
-        }
+            let (start, end) = (event(), event());
+            start.record(&gpu.stream).unwrap();
+            for _ in 0..LAUNCHES {
+                launch(variant);
+            }
+            end.record(&gpu.stream).unwrap();
+            f64::from(start.elapsed_ms(&end).unwrap()) / 1e3 / LAUNCHES as f64
+        };
+        Variants::new(GROUP)
+            .add("ptx-regtile", || gpu_time("ptx-regtile"))
+            .add("cublas", || gpu_time("cublas"))
+            .bench(&mut group, &rec, &row);
         group.finish();
     }
     c.final_summary();
-    println!("\n== matmul, GFLOP/s (medians, GPU time by events)");
-    println!(
-        "{:<10} {:>14} {:>14} {:>18}",
-        "size", "ptx-regtile", "cublas", "ptx/cublas"
+    let rows: Vec<String> = sizes.iter().map(|n| format!("{n}^3")).collect();
+    rec.paired_table(
+        GROUP,
+        &["ptx-regtile", "cublas"],
+        &rows,
+        "µs of GPU time per launch",
+        1e6,
+        &[Ratio::of("cublas", "ptx-regtile")],
     );
+    println!(
+        "\n== matmul, GFLOP/s (medians); PTX as a share of cuBLAS is the per-round ratio above"
+    );
+    println!("{:<10} {:>14} {:>14}", "size", "ptx-regtile", "cublas");
     for &n in &sizes {
         let row = format!("{n}^3");
         let flops = 2.0 * (n as f64).powi(3);
@@ -94,10 +100,9 @@ fn main() {
             rec.median(GROUP, &row, "cublas"),
         ) {
             println!(
-                "{row:<10} {:>14.0} {:>14.0} {:>17.0}%",
+                "{row:<10} {:>14.0} {:>14.0}",
                 flops / p / 1e9,
-                flops / b / 1e9,
-                b / p * 100.0
+                flops / b / 1e9
             );
         }
     }

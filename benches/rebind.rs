@@ -1,28 +1,37 @@
 //! Rebinding vs copying, and coalesced datasets vs one mapping per slot vs the raw driver floor.
-//! Every comparison is measured in the same process; the tables at the end give the ratios.
+//! Every comparison runs in paired rounds in one process (`common::Variants`); the tables at the
+//! end give medians and the median of per-round ratios with their p10–p90 spread.
+//!
+//! Every timed bind is warm, the way a loop uses memory: a kernel writes the whole bound range
+//! just before it (outside the timed part), and the time includes the fence a bind pays.
 
 mod common;
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::{criterion, gpu, human_bytes, Gpu, Recorder};
-use criterion::Criterion;
+use common::{criterion, gpu, human_bytes, seconds, verdict, Gpu, Ratio, Recorder, Variants};
+use criterion::{Criterion, SamplingMode};
 use stablebuf::cudarc::driver::sys;
 use stablebuf::vmm::{granularity, Mapping, Physical, Reservation};
 use stablebuf::{memory_info, BindStrategy, DeviceBuffer, Layout, Space, SpaceOptions};
 
-/// The first 4 KiB of a buffer: touched by a kernel before each timed bind, so binds are
-/// measured on memory the GPU just used, as in a real loop.
-struct Head(u64);
+/// A device range given to a kernel to touch before a timed bind.
+struct Range(u64, usize);
 
-impl DeviceBuffer for Head {
+impl DeviceBuffer for Range {
     fn device_address(&self) -> sys::CUdeviceptr {
         self.0
     }
     fn byte_len(&self) -> usize {
-        4096
+        self.1
     }
+}
+
+/// A kernel writes all of `range`, and the GPU finishes, before the timed part starts.
+fn touch(gpu: &Gpu, range: &Range) {
+    gpu.kernels.fill(&gpu.stream, range, 1.0).unwrap();
+    gpu.stream.synchronize().unwrap();
 }
 
 const GROUP: &str = "rebind vs copy-in";
@@ -44,11 +53,11 @@ fn rebind_vs_copy(c: &mut Criterion, gpu: &Gpu, rec: &Recorder) -> Vec<String> {
     .collect();
     let mut rows = Vec::new();
     let mut group = c.benchmark_group(GROUP);
-    // Remaps vary by ±15% between samples: more samples, so auto and remap (the same operation
-    // above the crossover) compare on medians, not noise.
     group
-        .sample_size(30)
-        .measurement_time(Duration::from_secs(2));
+        .sample_size(10)
+        .sampling_mode(SamplingMode::Flat)
+        .warm_up_time(Duration::from_millis(100))
+        .measurement_time(Duration::from_millis(1500));
     for &size in &sizes {
         let row = human_bytes(size);
         rows.push(row.clone());
@@ -57,20 +66,19 @@ fn rebind_vs_copy(c: &mut Criterion, gpu: &Gpu, rec: &Recorder) -> Vec<String> {
             .input("d", size)
             .build()
             .unwrap();
-        let spaces: Vec<(&str, Space)> = [
-            ("remap", BindStrategy::Remap),
-            ("copy-in", BindStrategy::CopyIn),
-            ("auto", BindStrategy::Auto),
-        ]
-        .into_iter()
-        .map(|(name, s)| {
-            (
-                name,
-                Space::with_options(&gpu.ctx, layout.clone(), SpaceOptions::default().bind(s))
-                    .unwrap(),
+        let space = |strategy| {
+            Space::with_options(
+                &gpu.ctx,
+                layout.clone(),
+                SpaceOptions::default().bind(strategy),
             )
-        })
-        .collect();
+            .unwrap()
+        };
+        let spaces = [
+            ("remap", space(BindStrategy::Remap)),
+            ("copy-in", space(BindStrategy::CopyIn)),
+            ("auto", space(BindStrategy::Auto)),
+        ];
         let datasets = [
             spaces[0].1.new_dataset("data").unwrap(),
             spaces[0].1.new_dataset("data").unwrap(),
@@ -79,26 +87,19 @@ fn rebind_vs_copy(c: &mut Criterion, gpu: &Gpu, rec: &Recorder) -> Vec<String> {
             "auto resolved {row} to {:?}",
             spaces[2].1.strategy("data").unwrap()
         );
-        for (variant, space) in &spaces {
-            let head = Head(space.slot("d").unwrap().device_ptr());
+        let mut variants = Variants::new(GROUP);
+        for (name, space) in &spaces {
+            let range = Range(space.slot("d").unwrap().device_ptr(), size);
             space.bind(&datasets[0]).unwrap();
-            let mut flip = 0usize; // persists across calls, so every bind changes the dataset
-            group.bench_function(format!("{variant}/{row}"), |b| {
-                b.iter_custom(|iters| {
-                    let mut total = Duration::ZERO;
-                    for _ in 0..iters {
-                        flip += 1;
-                        gpu.kernels.fill(&gpu.stream, &head, 1.0).unwrap();
-                        gpu.stream.synchronize().unwrap();
-                        let start = Instant::now();
-                        space.bind(&datasets[flip % 2]).unwrap();
-                        total += start.elapsed();
-                    }
-                    rec.record(GROUP, &row, variant, total.as_secs_f64() / iters as f64);
-                    total
-                })
+            let mut flip = 0usize; // every bind changes the dataset
+            let datasets = &datasets;
+            variants = variants.add(name, move || {
+                flip += 1;
+                touch(gpu, &range);
+                seconds(|| space.bind(&datasets[flip % 2]).unwrap())
             });
         }
+        variants.bench(&mut group, rec, &row);
     }
     group.finish();
     rows
@@ -111,6 +112,11 @@ fn slots(c: &mut Criterion, gpu: &Gpu, rec: &Recorder) -> Vec<String> {
     let access = [gpu.ctx.ordinal()];
     let mut rows = Vec::new();
     let mut group = c.benchmark_group(SLOTS);
+    group
+        .sample_size(10)
+        .sampling_mode(SamplingMode::Flat)
+        .warm_up_time(Duration::from_millis(100))
+        .measurement_time(Duration::from_secs(1));
     for n in [1usize, 4, 16, 64, 256] {
         let row = format!("{n} slots");
         rows.push(row.clone());
@@ -127,22 +133,10 @@ fn slots(c: &mut Criterion, gpu: &Gpu, rec: &Recorder) -> Vec<String> {
             space.new_dataset("g").unwrap(),
         ];
         space.bind(&datasets[0]).unwrap();
-        let mut flip = 0usize;
-        group.bench_function(format!("coalesced/{n}"), |b| {
-            b.iter_custom(|iters| {
-                let start = Instant::now();
-                for _ in 0..iters {
-                    flip += 1;
-                    space.bind(&datasets[flip % 2]).unwrap();
-                }
-                let total = start.elapsed();
-                rec.record(SLOTS, &row, "coalesced", total.as_secs_f64() / iters as f64);
-                total
-            })
-        });
+        let coalesced_range = Range(space.slot("s0").unwrap().device_ptr(), total_bytes);
 
         // One allocation and one mapping per slot (what a per-tensor allocator does).
-        let reservation = Arc::new(Reservation::new(&gpu.ctx, total_bytes, gran).unwrap());
+        let per_slot_va = Arc::new(Reservation::new(&gpu.ctx, total_bytes, gran).unwrap());
         let per_slot: Vec<Vec<Arc<Physical>>> = (0..2)
             .map(|_| {
                 (0..n)
@@ -150,73 +144,56 @@ fn slots(c: &mut Criterion, gpu: &Gpu, rec: &Recorder) -> Vec<String> {
                     .collect()
             })
             .collect();
-        let mut mapped: Vec<Option<Mapping>> = (0..n)
+        let mut per_slot_mapped: Vec<Option<Mapping>> = (0..n)
             .map(|s| {
-                Some(
-                    Mapping::new(&reservation, s * gran, &per_slot[0][s], 0, gran, &access)
-                        .unwrap(),
-                )
+                let m = Mapping::new(&per_slot_va, s * gran, &per_slot[0][s], 0, gran, &access);
+                Some(m.unwrap())
             })
             .collect();
-        let mut flip = 0usize;
-        group.bench_function(format!("per-slot/{n}"), |b| {
-            b.iter_custom(|iters| {
-                let start = Instant::now();
-                for _ in 0..iters {
-                    flip += 1;
-                    gpu.ctx.synchronize().unwrap(); // the same fence a bind pays
-                    for (s, slot) in mapped.iter_mut().enumerate() {
-                        drop(slot.take());
-                        *slot = Some(
-                            Mapping::new(
-                                &reservation,
-                                s * gran,
-                                &per_slot[flip % 2][s],
-                                0,
-                                gran,
-                                &access,
-                            )
-                            .unwrap(),
-                        );
-                    }
-                }
-                let total = start.elapsed();
-                rec.record(SLOTS, &row, "per-slot", total.as_secs_f64() / iters as f64);
-                total
-            })
-        });
-        drop(mapped);
+        let per_slot_range = Range(per_slot_va.base(), total_bytes);
 
         // The floor: raw unmap + map + set-access of the same bytes as one mapping.
+        let floor_va = Arc::new(Reservation::new(&gpu.ctx, total_bytes, gran).unwrap());
         let whole = [
             Arc::new(Physical::new(&gpu.ctx, total_bytes, false).unwrap()),
             Arc::new(Physical::new(&gpu.ctx, total_bytes, false).unwrap()),
         ];
-        let mut mapping =
-            Some(Mapping::new(&reservation, 0, &whole[0], 0, total_bytes, &access).unwrap());
-        let mut flip = 0usize;
-        group.bench_function(format!("driver-floor/{n}"), |b| {
-            b.iter_custom(|iters| {
-                let start = Instant::now();
-                for _ in 0..iters {
-                    flip += 1;
-                    gpu.ctx.synchronize().unwrap();
-                    drop(mapping.take());
-                    mapping = Some(
-                        Mapping::new(&reservation, 0, &whole[flip % 2], 0, total_bytes, &access)
-                            .unwrap(),
-                    );
-                }
-                let total = start.elapsed();
-                rec.record(
-                    SLOTS,
-                    &row,
-                    "driver-floor",
-                    total.as_secs_f64() / iters as f64,
-                );
-                total
+        let mut floor_mapping =
+            Some(Mapping::new(&floor_va, 0, &whole[0], 0, total_bytes, &access).unwrap());
+        let floor_range = Range(floor_va.base(), total_bytes);
+
+        let (mut flip_c, mut flip_p, mut flip_f) = (0usize, 0usize, 0usize);
+        Variants::new(SLOTS)
+            .add("coalesced", || {
+                flip_c += 1;
+                touch(gpu, &coalesced_range);
+                seconds(|| space.bind(&datasets[flip_c % 2]).unwrap())
             })
-        });
+            .add("per-slot", || {
+                flip_p += 1;
+                touch(gpu, &per_slot_range);
+                seconds(|| {
+                    gpu.ctx.synchronize().unwrap(); // the same fence a bind pays
+                    for (s, slot) in per_slot_mapped.iter_mut().enumerate() {
+                        drop(slot.take());
+                        let physical = &per_slot[flip_p % 2][s];
+                        let m = Mapping::new(&per_slot_va, s * gran, physical, 0, gran, &access);
+                        *slot = Some(m.unwrap());
+                    }
+                })
+            })
+            .add("driver-floor", || {
+                flip_f += 1;
+                touch(gpu, &floor_range);
+                seconds(|| {
+                    gpu.ctx.synchronize().unwrap();
+                    drop(floor_mapping.take());
+                    let physical = &whole[flip_f % 2];
+                    let m = Mapping::new(&floor_va, 0, physical, 0, total_bytes, &access);
+                    floor_mapping = Some(m.unwrap());
+                })
+            })
+            .bench(&mut group, rec, &row);
     }
     group.finish();
     rows
@@ -234,20 +211,49 @@ fn main() {
     let rows = rebind_vs_copy(&mut c, &gpu, &rec);
     let slot_rows = slots(&mut c, &gpu, &rec);
     c.final_summary();
-    rec.table(
+    rec.paired_table(
         GROUP,
         &["remap", "copy-in", "auto"],
         &rows,
         "µs",
         1e6,
-        &[("copy-in", "remap"), ("auto", "remap"), ("auto", "copy-in")],
+        &[
+            Ratio::of("copy-in", "remap"),
+            Ratio::to_best("auto", &["remap", "copy-in"]),
+        ],
     );
-    rec.table(
+    rec.paired_table(
         SLOTS,
         &["coalesced", "per-slot", "driver-floor"],
         &slot_rows,
         "µs",
         1e6,
-        &[("coalesced", "driver-floor"), ("per-slot", "coalesced")],
+        &[
+            Ratio::of("coalesced", "driver-floor"),
+            Ratio::of("per-slot", "coalesced"),
+        ],
+    );
+
+    println!("\n== targets");
+    let auto_worst = rows
+        .iter()
+        .filter_map(|r| rec.ratio(GROUP, r, &Ratio::to_best("auto", &["remap", "copy-in"])))
+        .map(|s| s.median)
+        .fold(0.0, f64::max);
+    println!(
+        "auto within 1.1x of the better of remap and copy-in at every size (worst {auto_worst:.2}x): {}",
+        verdict(auto_worst <= 1.1)
+    );
+    let floor: Vec<f64> = slot_rows
+        .iter()
+        .filter_map(|r| rec.ratio(SLOTS, r, &Ratio::of("coalesced", "driver-floor")))
+        .map(|s| s.median)
+        .collect();
+    let (low, high) = floor
+        .iter()
+        .fold((f64::MAX, 0.0f64), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+    println!(
+        "coalesced/driver-floor holds still across slot counts (medians {low:.2}x-{high:.2}x, within 0.8-1.25x): {}",
+        verdict(!floor.is_empty() && low >= 0.8 && high <= 1.25)
     );
 }

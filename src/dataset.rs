@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex, Weak};
 use cudarc::driver::{CudaContext, CudaStream, DeviceRepr};
 
 use crate::driver;
-use crate::driver::vmm::{Mapping, Physical};
+use crate::driver::vmm::{Location, Mapping, Physical, Reservation};
 use crate::error::{Error, Result};
 use crate::fence::{Fence, FencePolicy};
 use crate::host::{self, HostCopy, HostStorage, StorageUsed, TransferReport};
@@ -55,6 +55,8 @@ pub struct Dataset {
     access: Vec<usize>,
     bytes: usize,
     shareable: bool,
+    /// Where the memory lives (also after a restore).
+    location: Location,
     tag: Option<String>,
     refill: Option<RefillFn>,
     /// Where the bytes are: mapped at the dataset's own address (owning the physical memory),
@@ -87,7 +89,12 @@ impl std::fmt::Debug for RefillFn {
 #[derive(Debug)]
 enum Residency {
     Device(Mapping),
-    Host(HostCopy),
+    /// Offloaded. The home address range stays reserved, so a restore maps the new memory at the
+    /// same home address without reserving (and later freeing) addresses again.
+    Host {
+        copy: HostCopy,
+        home: Arc<Reservation>,
+    },
 }
 
 impl Dataset {
@@ -98,8 +105,9 @@ impl Dataset {
         group_index: usize,
         access: &[usize],
         shareable: bool,
+        at: Location,
     ) -> Result<Self> {
-        let physical = Physical::new(ctx, placement.groups[group_index].bytes, shareable)?;
+        let physical = Physical::new_at(ctx, placement.groups[group_index].bytes, shareable, at)?;
         Self::from_physical(ctx, layout, placement, group_index, access, physical)
     }
 
@@ -114,7 +122,7 @@ impl Dataset {
         physical: Physical,
     ) -> Result<Self> {
         let region = &placement.groups[group_index];
-        let shareable = physical.shareable();
+        let (shareable, location) = (physical.shareable(), physical.location());
         let home = Mapping::alone(ctx, &Arc::new(physical), access)?;
         let slots = region
             .slots
@@ -144,6 +152,7 @@ impl Dataset {
             access: access.to_vec(),
             bytes: region.bytes,
             shareable,
+            location,
             tag: None,
             refill: None,
             residency: Residency::Device(home),
@@ -195,7 +204,7 @@ impl Dataset {
     fn home(&self) -> Result<&Mapping> {
         match &self.residency {
             Residency::Device(home) => Ok(home),
-            Residency::Host(_) => Err(Error::Offloaded { dataset: self.id }),
+            Residency::Host { .. } => Err(Error::Offloaded { dataset: self.id }),
         }
     }
 
@@ -205,6 +214,11 @@ impl Dataset {
     /// [`send_dataset`](crate::send_dataset) does this and sends it.
     pub fn export(&self) -> Result<std::os::fd::OwnedFd> {
         self.physical()?.export()
+    }
+
+    /// Where the memory lives while resident (the space's device, a peer, or pinned host).
+    pub fn location(&self) -> Location {
+        self.location
     }
 
     /// Whether the bytes are in device memory (not offloaded).
@@ -252,7 +266,7 @@ impl Dataset {
                 storage: StorageUsed::Discarded,
             });
         };
-        let home_ptr = home.ptr();
+        let (home_ptr, home_reservation) = (home.ptr(), home.reservation().clone());
         let mut copy = None;
         let report = host::timed(id, bytes, "offload", || {
             // Nothing may still write the memory while it is copied out.
@@ -281,19 +295,27 @@ impl Dataset {
         })?;
         if let Some(copy) = copy {
             // Dropping the home mapping unmaps and releases the memory (no space maps it now).
-            self.residency = Residency::Host(copy);
+            self.residency = Residency::Host {
+                copy,
+                home: home_reservation,
+            };
         }
         Ok(report)
     }
 
-    /// Brings an offloaded dataset back into new device memory (no-op if resident). Bind it
-    /// again to put it under a space's slots.
+    /// Brings an offloaded dataset back into new device memory (no-op if resident), at the same
+    /// home address it had before the offload ([`Dataset::home_ptr`]). Bind it again to put it
+    /// under a space's slots.
     ///
     /// On out-of-memory returns [`Error::RestoreOutOfMemory`] with what was asked and what is
     /// free; the host copy is kept, and a retry after memory is freed succeeds.
     pub fn restore(&mut self, stream: &Arc<CudaStream>) -> Result<TransferReport> {
         let (id, bytes) = (self.id, self.bytes);
-        let Residency::Host(copy) = &self.residency else {
+        let Residency::Host {
+            copy,
+            home: reservation,
+        } = &self.residency
+        else {
             return Ok(TransferReport {
                 dataset: id,
                 bytes: 0,
@@ -303,21 +325,23 @@ impl Dataset {
         };
         let mut home = None;
         let report = host::timed(id, bytes, "restore", || {
-            let mapped = match Physical::new(&self.ctx, bytes, self.shareable)
-                .and_then(|physical| Mapping::alone(&self.ctx, &Arc::new(physical), &self.access))
-            {
-                Err(Error::OutOfMemory { .. }) => {
-                    let free = driver::memory_info(&self.ctx)
-                        .map(|(free, _)| free)
-                        .unwrap_or(0);
-                    return Err(Error::RestoreOutOfMemory {
-                        dataset: id,
-                        asked: bytes,
-                        free,
-                    });
-                }
-                other => other?,
-            };
+            // Same home address as before the offload: only create and map.
+            let mapped =
+                match Physical::new_at(&self.ctx, bytes, self.shareable, self.location).and_then(|physical| {
+                    Mapping::new(reservation, 0, &Arc::new(physical), 0, bytes, &self.access)
+                }) {
+                    Err(Error::OutOfMemory { .. }) => {
+                        let free = driver::memory_info(&self.ctx)
+                            .map(|(free, _)| free)
+                            .unwrap_or(0);
+                        return Err(Error::RestoreOutOfMemory {
+                            dataset: id,
+                            asked: bytes,
+                            free,
+                        });
+                    }
+                    other => other?,
+                };
             host::copy::load(copy, stream, mapped.ptr(), bytes)?;
             let used = copy.storage();
             home = Some(mapped);

@@ -124,6 +124,14 @@ pub enum Error {
         found: [u8; 16],
     },
 
+    /// An NCCL call failed. `code` is its `ncclResult_t`.
+    #[error("{call} failed with NCCL result {code}")]
+    Nccl { call: &'static str, code: i32 },
+
+    /// A library stablebuf loads at run time is not on the loader's path.
+    #[error("{library} could not be loaded: put it on LD_LIBRARY_PATH")]
+    LibraryMissing { library: &'static str },
+
     /// No CUDA driver (libcuda) could be loaded on this machine.
     #[error("no CUDA driver found: libcuda could not be loaded")]
     NoDriver,
@@ -181,6 +189,14 @@ pub enum Error {
         /// Fingerprint of the space's layout.
         space_layout: u64,
     },
+
+    /// A device ordinal past the devices this process sees.
+    #[error("device {ordinal} does not exist ({count} CUDA devices)")]
+    NoSuchDevice { ordinal: usize, count: usize },
+
+    /// Kernels on device `from` cannot reach memory on device `to` (`cuDeviceCanAccessPeer`).
+    #[error("device {from} cannot access memory on device {to}")]
+    PeerAccess { from: usize, to: usize },
 
     /// A dataset or buffer belongs to another CUDA context (device).
     #[error("object belongs to CUDA device {found}, expected device {expected}")]

@@ -196,6 +196,9 @@ impl StableGraph {
     ///
     /// `work` must issue the same work each time it is called: [`StableGraph::check_update`]
     /// calls it again. Everything it touches must exist before the capture (no allocation inside).
+    /// Kernels may be captured over unbound slots, but copy and memset nodes are checked by the
+    /// driver when captured: bind a dataset under the slots they use first (any dataset of the
+    /// group; later binds change the data, not the graph).
     /// `stream` must not be the legacy default stream (it cannot be captured).
     pub fn capture<F>(stream: &Arc<CudaStream>, spaces: &[&Space], work: F) -> Result<Self>
     where

@@ -120,6 +120,8 @@
 #![warn(missing_docs)]
 
 pub mod buffer;
+#[cfg(feature = "nccl")]
+pub mod collective;
 mod dataset;
 #[allow(unsafe_code)] // the one module that wraps the driver; see its docs
 mod driver;
@@ -142,6 +144,8 @@ mod view;
 
 pub use buffer::DeviceBuffer;
 pub use dataset::{Dataset, DatasetSlot, Refill};
+pub use driver::device::{can_access_peer, device_count};
+pub use driver::vmm::Location;
 pub use driver::{driver_present, memory_info, open_device};
 pub use error::{Error, Result};
 pub use fence::FencePolicy;
@@ -160,7 +164,9 @@ pub use view::SlotView;
 /// The raw VMM wrappers (reservation, physical memory, mapping), safe RAII types for callers
 /// that want to build their own layouts or measure the driver floor.
 pub mod vmm {
-    pub use crate::driver::vmm::{granularity, Mapping, Physical, Reservation};
+    pub use crate::driver::vmm::{
+        granularity, granularity_at, Location, Mapping, Physical, Reservation,
+    };
 }
 
 /// cudarc, re-exported so users name the same version's contexts and streams.

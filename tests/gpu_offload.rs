@@ -347,3 +347,86 @@ fn a_hundred_sleep_wake_cycles_leak_neither_device_nor_pinned_memory() {
     );
     assert_eq!(Arc::strong_count(&arena), 2, "no offload holds the arena");
 }
+
+/// Slots that cross the 64 MiB staging chunks at odd offsets (u32 elements).
+fn multi_chunk_layout() -> Layout {
+    Layout::builder()
+        .group("g")
+        .input("a", 150 * MIB + 12)
+        .input("b", 20)
+        .output("c", 31 * MIB + 4)
+        .build()
+        .unwrap()
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn pageable_transfers_stream_through_staging_and_restore_keeps_the_home_address() {
+    let gpu = gpu();
+    let mut rng = rng("pageable_staged");
+    let space = Space::new(&gpu.ctx, multi_chunk_layout()).unwrap();
+    let arena = HostArena::new(&gpu.ctx, 16 * MIB).unwrap(); // staged through its halves
+    for storage in [HostStorage::Pageable, HostStorage::Pinned(arena.clone())] {
+        let mut d = space.new_dataset("g").unwrap();
+        let want = fill_random(&gpu, &d, &mut rng);
+        let home = d.home_ptr().unwrap();
+        space.bind(&d).unwrap();
+        gpu.ctx.synchronize().unwrap();
+        let (free_before, _) = memory_info(&gpu.ctx).unwrap();
+        let out = d.offload(&storage, &gpu.stream).unwrap();
+        let (free_after, _) = memory_info(&gpu.ctx).unwrap();
+        assert!(
+            free_after >= free_before + d.bytes(),
+            "{storage:?}: the memory was released although the home address is kept"
+        );
+        let back = d.restore(&gpu.stream).unwrap();
+        eprintln!(
+            "{:?}: offload {:.1} GB/s, restore {:.1} GB/s",
+            out.storage,
+            out.gb_per_s(),
+            back.gb_per_s()
+        );
+        assert_eq!(
+            d.home_ptr().unwrap(),
+            home,
+            "restore maps at the same home address"
+        );
+        assert_eq!(read_all(&gpu, &d), want, "{:?}: bytes changed", out.storage);
+        space.bind(&d).unwrap();
+        assert_eq!(space.read::<u32>(&gpu.stream, "c").unwrap(), want[2]);
+    }
+    assert_eq!(arena.free_bytes(), arena.capacity());
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn pageable_offloads_from_several_threads_at_once_are_each_bit_exact() {
+    let gpu = gpu();
+    let mut rng = rng("pageable_threads");
+    let space = Space::new(&gpu.ctx, multi_chunk_layout()).unwrap();
+    // Four at once: the process staging buffer serves one; the others copy directly.
+    let mut sets: Vec<(Dataset, Vec<Vec<u32>>)> = (0..4)
+        .map(|_| {
+            let d = space.new_dataset("g").unwrap();
+            let want = fill_random(&gpu, &d, &mut rng);
+            (d, want)
+        })
+        .collect();
+    gpu.ctx.synchronize().unwrap();
+    std::thread::scope(|scope| {
+        for (d, _) in sets.iter_mut() {
+            let ctx = gpu.ctx.clone();
+            scope.spawn(move || {
+                let stream = ctx.new_stream().unwrap();
+                for _ in 0..3 {
+                    let out = d.offload(&HostStorage::Pageable, &stream).unwrap();
+                    assert_eq!(out.storage, StorageUsed::Pageable);
+                    d.restore(&stream).unwrap();
+                }
+            });
+        }
+    });
+    for (i, (d, want)) in sets.iter().enumerate() {
+        assert_eq!(&read_all(&gpu, d), want, "dataset {i}");
+    }
+}

@@ -187,6 +187,61 @@ fn stitched_chunks_form_one_range_that_kernels_read_and_write_end_to_end() {
     assert!(svg.contains("stitcher"));
 }
 
+/// `count` blocks of 2 MiB with every other one freed: `count / 2` scattered 2 MiB chunks cached.
+/// Returns the blocks that stay.
+fn scatter_small_chunks(
+    pool: &ElasticPool,
+    tenant: &stablebuf::Tenant,
+    count: usize,
+) -> Vec<Block> {
+    pool.drain();
+    let blocks: Vec<Block> = (0..count).map(|_| tenant.alloc(2 * MIB).unwrap()).collect();
+    let kept: Vec<Block> = blocks.into_iter().step_by(2).collect();
+    assert_eq!(pool.stats().cached, count / 2 * 2 * MIB);
+    kept
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_stitch_past_its_cap_creates_the_rest_unless_the_device_is_full() {
+    let gpu = gpu();
+    let mut rng = rng("stitch_cap");
+    let pool = ElasticPool::new(&gpu.ctx, PoolOptions::default()).unwrap();
+    let tenant = pool.register("capped", 4 * GIB).unwrap();
+    let asked = 80 * MIB; // 40 cached 2 MiB chunks would cover it; its cap is 2 mappings
+    let words = asked / 4;
+
+    let kept = scatter_small_chunks(&pool, &tenant, 80);
+    let creates = pool.stats().creates;
+    let capped = tenant.alloc(asked).unwrap();
+    let info = capped.info().unwrap();
+    assert_eq!(info.mappings, 3, "2 cached chunks + 1 new: {info:?}");
+    assert_eq!(pool.stats().creates, creates + 1);
+    assert_eq!(
+        pool.stats().cached,
+        38 * 2 * MIB,
+        "the smallest chunks stayed cached"
+    );
+    let seed: u32 = rng.gen();
+    write_pattern(&gpu, &capped, 0, words, seed);
+    assert_eq!(mismatches(&gpu, &capped, 0, words, seed), 0);
+    drop((capped, kept));
+
+    // No room for the 76 MiB the capped plan would create: every cached chunk is stitched, under
+    // one set-access that spans 40 allocations.
+    let kept = scatter_small_chunks(&pool, &tenant, 80);
+    let filler = fill_device_leaving(&gpu, 16 * MIB);
+    let creates = pool.stats().creates;
+    let stitched = tenant.alloc(asked).unwrap();
+    assert_eq!(stitched.info().unwrap().mappings, 40);
+    let stats = pool.stats();
+    assert_eq!((stats.creates, stats.cached), (creates, 0), "{stats}");
+    write_pattern(&gpu, &stitched, 0, words, seed ^ 1);
+    assert_eq!(mismatches(&gpu, &stitched, 0, words, seed ^ 1), 0);
+    drop((stitched, kept, filler, tenant));
+    pool.drain();
+}
+
 /// Allocates linear memory until about `leave` bytes of the device are free.
 fn fill_device_leaving(gpu: &Gpu, leave: usize) -> LinearBuffer {
     let (free, _) = memory_info(&gpu.ctx).unwrap();

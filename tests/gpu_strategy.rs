@@ -190,6 +190,61 @@ fn a_pipeline_rotates_datasets_through_lanes_and_every_step_is_correct() {
     pipeline.synchronize().unwrap();
 }
 
+/// Lane 0's graph spins 20 ms before `log = 2·log + 1`; lane 1's does `log = 2·log + 2` at
+/// once. Replays in step order give 0 → 1 → 4 → 9 → 20 over four steps; had lane 1 been free to
+/// run beside lane 0's spin, its update would land first and the result would differ.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn pipelined_replays_run_in_step_order_while_every_step_rebinds() {
+    let gpu = gpu();
+    let mut rng = rng("pipeline_order");
+    let log_space = Space::new(
+        &gpu.ctx,
+        Layout::builder().scratch("log", 4).build().unwrap(),
+    )
+    .unwrap();
+    let log = log_space.slot("log").unwrap().clone();
+    let layout = Layout::builder()
+        .group("in")
+        .input("x", 1 << 20)
+        .build()
+        .unwrap();
+    let kernels = gpu.kernels.clone();
+    let mut lane_count = 0;
+    let mut pipeline = Pipeline::new(&gpu.ctx, &layout, 2, SpaceOptions::default(), |space, _| {
+        let lane = lane_count;
+        lane_count += 1;
+        let (kernels, log, x) = (kernels.clone(), log.clone(), space.slot("x")?.clone());
+        Ok(move |s: &Arc<_>| {
+            if lane == 0 {
+                kernels.spin(s, std::time::Duration::from_millis(20))?;
+            }
+            // Reads the bound input too, so every replay uses the dataset bound for it.
+            kernels.affine(s, &x, 1.0, 0.0)?;
+            kernels.affine(s, &log, 2.0, lane as f32 + 1.0)
+        })
+    })
+    .unwrap();
+    assert!(pipeline.replays_in_order(), "in order by default");
+    let probe = pipeline.lanes()[0].space().clone();
+    let inputs: Vec<Dataset> = (0..3)
+        .map(|_| {
+            let d = probe.new_dataset("in").unwrap();
+            d.write(&gpu.stream, "x", &random_vec(&mut rng, (1 << 20) / 4))
+                .unwrap();
+            d
+        })
+        .collect();
+    gpu.kernels.fill(&gpu.stream, &log, 0.0).unwrap();
+    gpu.stream.synchronize().unwrap();
+    for step in 0..4 {
+        pipeline.step(&[&inputs[step % 3]]).unwrap();
+    }
+    pipeline.synchronize().unwrap();
+    let got: Vec<f32> = log_space.read(&gpu.stream, "log").unwrap();
+    assert_eq!(got, [20.0], "replays ran out of step order");
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn cublas_sgemm_captures_as_kernels_only_and_replays_on_rebound_data() {

@@ -1,1 +1,350 @@
-//! Placeholder: the Python extension is being written.
+//! `stablebuf._native`: the Rust half of the `stablebuf` Python package.
+//!
+//! The package puts PyTorch allocations into stablebuf regions through PyTorch's pluggable
+//! allocator hooks: each tag's `torch.cuda.MemPool` allocates through one of this library's
+//! exported C entry points ([`abi`]), which carve its segments side by side out of the tag's
+//! [`Region`](stablebuf::region::Region) ([`regions`]). The Python functions here sleep, wake,
+//! snapshot and bind those regions; the pure-Python package (`python/stablebuf/`) adds the
+//! PyTorch glue (pools, the `region()` context manager, the guarded `CUDAGraph`).
+//!
+//! Layers: [`errors`], [`tags`] and [`stats`] are pure logic (tested by `cargo test` without a
+//! GPU); [`regions`] is the only module that calls the core crate's region API; [`abi`] is the
+//! C boundary; this file is the Python boundary.
+
+pub mod abi;
+pub mod errors;
+pub mod regions;
+pub mod stats;
+pub mod tags;
+
+use pyo3::exceptions::{PyBaseException, PyException};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use stablebuf::region::Snapshot;
+
+use crate::errors::{Failure, Kind};
+use crate::regions::Transfer;
+use crate::stats::{TagStats, Value};
+
+pyo3::create_exception!(
+    stablebuf,
+    Error,
+    PyException,
+    "Base class of every stablebuf error. After one, the regions are as they were before the call."
+);
+pyo3::create_exception!(
+    stablebuf,
+    OutOfMemory,
+    Error,
+    "Device (or pinned host) memory ran out; the message says how much was asked and how much was free."
+);
+pyo3::create_exception!(
+    stablebuf,
+    OverBudget,
+    Error,
+    "A memory budget refused the request; the message names the budget and its numbers."
+);
+pyo3::create_exception!(
+    stablebuf,
+    Asleep,
+    Error,
+    "The region is asleep: its memory is released. Call stablebuf.wake(tag) first."
+);
+pyo3::create_exception!(
+    stablebuf,
+    Unbound,
+    Error,
+    "The region has no weight set bound (after stablebuf.unbind). Bind one first."
+);
+pyo3::create_exception!(
+    stablebuf,
+    UnknownTag,
+    Error,
+    "No region has this tag: regions are created by `with stablebuf.region(tag):`."
+);
+pyo3::create_exception!(
+    stablebuf,
+    SnapshotMismatch,
+    Error,
+    "The weight set cannot be bound into this region (taken from another region, or the region grew past it)."
+);
+
+impl From<Failure> for PyErr {
+    fn from(failure: Failure) -> PyErr {
+        let message = failure.message;
+        match failure.kind {
+            Kind::Error => Error::new_err(message),
+            Kind::OutOfMemory => OutOfMemory::new_err(message),
+            Kind::OverBudget => OverBudget::new_err(message),
+            Kind::Asleep => Asleep::new_err(message),
+            Kind::Unbound => Unbound::new_err(message),
+            Kind::UnknownTag => UnknownTag::new_err(message),
+            Kind::SnapshotMismatch => SnapshotMismatch::new_err(message),
+        }
+    }
+}
+
+/// A weight set: a second physical backing of one region's used span (see `stablebuf.snapshot`).
+///
+/// Bind it with `stablebuf.bind(tag, weight_set)`: the region's addresses (every tensor and
+/// every captured graph over them) then read and write this memory. Its memory lives while
+/// this object, or the region it is bound in, holds it.
+#[pyclass(module = "stablebuf", name = "WeightSet", frozen)]
+pub struct WeightSet {
+    tag: String,
+    snapshot: Snapshot,
+}
+
+#[pymethods]
+impl WeightSet {
+    /// The tag of the region it was taken from (and can be bound into).
+    #[getter]
+    fn tag(&self) -> &str {
+        &self.tag
+    }
+
+    /// Unique for the life of the process.
+    #[getter]
+    fn id(&self) -> u64 {
+        self.snapshot.id()
+    }
+
+    /// Bytes of device memory it holds: the region's used span when it was taken.
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.snapshot.bytes()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "WeightSet(tag={:?}, id={}, nbytes={})",
+            self.tag,
+            self.snapshot.id(),
+            self.snapshot.bytes()
+        )
+    }
+
+    fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
+        other
+            .cast::<WeightSet>()
+            .is_ok_and(|other| other.get().snapshot.same_as(&self.snapshot))
+    }
+
+    fn __hash__(&self) -> u64 {
+        self.snapshot.id()
+    }
+}
+
+fn weight_set(tag: &str, snapshot: Snapshot) -> WeightSet {
+    WeightSet {
+        tag: tag.to_string(),
+        snapshot,
+    }
+}
+
+fn transfers<'py>(py: Python<'py>, done: Vec<Transfer>) -> PyResult<Bound<'py, PyDict>> {
+    let out = PyDict::new(py);
+    for transfer in done {
+        let entry = PyDict::new(py);
+        entry.set_item("bytes", transfer.bytes)?;
+        entry.set_item("seconds", transfer.seconds)?;
+        let gb_per_s = if transfer.seconds > 0.0 && transfer.storage != "discarded" {
+            transfer.bytes as f64 / transfer.seconds / 1e9
+        } else {
+            0.0
+        };
+        entry.set_item("gb_per_s", gb_per_s)?;
+        entry.set_item("storage", transfer.storage)?;
+        out.set_item(transfer.tag, entry)?;
+    }
+    Ok(out)
+}
+
+/// Registers `tag` on CUDA device `device`, creating its region (`capacity` bytes of virtual
+/// addresses, 1 TiB by default: reserving costs no memory), and returns its allocator slot.
+/// Registering an existing tag returns its slot.
+#[pyfunction]
+#[pyo3(signature = (tag, device, capacity=None))]
+fn register(py: Python<'_>, tag: &str, device: i32, capacity: Option<usize>) -> PyResult<usize> {
+    Ok(py.detach(|| regions::register(tag, device, capacity))?)
+}
+
+/// Registered tags, in slot order.
+#[pyfunction(name = "tags")]
+fn registered_tags() -> Vec<String> {
+    regions::tags()
+}
+
+/// Name of the exported allocation function that serves allocator slot `slot`.
+#[pyfunction]
+fn alloc_symbol(slot: usize) -> PyResult<String> {
+    if slot >= tags::MAX_TAGS {
+        return Err(Error::new_err(format!(
+            "slot {slot}: there are {} slots",
+            tags::MAX_TAGS
+        )));
+    }
+    Ok(abi::alloc_symbol(slot))
+}
+
+/// The exception for this thread's last failed allocation (cleared by reading), or `None`.
+/// PyTorch reports a failed allocation as its own out-of-memory error; this is the cause.
+#[pyfunction]
+fn take_alloc_error(py: Python<'_>) -> Option<Py<PyBaseException>> {
+    abi::take_alloc_failure().map(|failure| PyErr::from(failure).into_value(py))
+}
+
+/// Messages of frees that failed since the last call (PyTorch's free has no way to report).
+#[pyfunction]
+fn take_free_errors() -> Vec<String> {
+    abi::take_free_failures()
+}
+
+/// Sleeps the regions of `tags`: with `keep`, their bytes are copied to pinned host memory;
+/// without, discarded. Returns `{tag: {"bytes", "seconds", "gb_per_s", "storage"}}`.
+/// `stream` is the CUDA stream (handle) the copies are ordered on.
+#[pyfunction]
+fn sleep<'py>(
+    py: Python<'py>,
+    tags: Vec<String>,
+    keep: bool,
+    stream: usize,
+) -> PyResult<Bound<'py, PyDict>> {
+    let done = py.detach(|| regions::sleep(&tags, keep, stream))?;
+    transfers(py, done)
+}
+
+/// Wakes the regions of `tags` (each backed by one allocation under one mapping). Returns
+/// the same record as `sleep`.
+#[pyfunction]
+fn wake<'py>(py: Python<'py>, tags: Vec<String>, stream: usize) -> PyResult<Bound<'py, PyDict>> {
+    let done = py.detach(|| regions::wake(&tags, stream))?;
+    transfers(py, done)
+}
+
+/// A new weight set of `tag` holding the region's current contents.
+#[pyfunction]
+fn snapshot(py: Python<'_>, tag: &str, stream: usize) -> PyResult<WeightSet> {
+    let snapshot = py.detach(|| regions::snapshot(tag, stream))?;
+    Ok(weight_set(tag, snapshot))
+}
+
+/// Binds `weights` under `tag`'s addresses; returns the weight set bound before, if any.
+#[pyfunction]
+fn bind(py: Python<'_>, tag: &str, weights: &Bound<'_, WeightSet>) -> PyResult<Option<WeightSet>> {
+    let weights = weights.get();
+    let previous = py.detach(|| regions::bind(tag, &weights.snapshot, &weights.tag))?;
+    Ok(previous.map(|snapshot| weight_set(tag, snapshot)))
+}
+
+/// The weight set bound under `tag` now (`None` before the first snapshot or wake).
+#[pyfunction]
+fn bound(tag: &str) -> PyResult<Option<WeightSet>> {
+    Ok(regions::bound(tag)?.map(|snapshot| weight_set(tag, snapshot)))
+}
+
+/// Unmaps `tag`'s weight set; graphs guarded by the tag raise `Unbound` until a bind.
+#[pyfunction]
+fn unbind(py: Python<'_>, tag: &str) -> PyResult<()> {
+    Ok(py.detach(|| regions::unbind(tag))?)
+}
+
+/// Raises `Asleep` or `Unbound` unless a graph over the regions of `tags` may replay now.
+#[pyfunction]
+fn check_replayable(tags: Vec<String>) -> PyResult<()> {
+    Ok(regions::check_replayable(&tags)?)
+}
+
+/// `{tag: {"reserved", "allocated", "allocations", "span", "mapped", "mappings", "asleep",
+/// "host_bytes"}}` for every region.
+#[pyfunction(name = "stats")]
+fn region_stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let out = PyDict::new(py);
+    for one in py.detach(regions::stats) {
+        let entry = PyDict::new(py);
+        for (key, value) in TagStats::from(&one).fields() {
+            match value {
+                Value::Int(n) => entry.set_item(key, n)?,
+                Value::Flag(flag) => entry.set_item(key, flag)?,
+            }
+        }
+        out.set_item(one.tag, entry)?;
+    }
+    Ok(out)
+}
+
+/// The SVG timeline (address against time) of every region's maps, unmaps, allocations and
+/// frees, as text.
+#[pyfunction]
+fn timeline_svg(py: Python<'_>, title: &str) -> PyResult<String> {
+    Ok(py.detach(|| regions::timeline(title))?)
+}
+
+/// Pins `nbytes` of host memory on `device` for sleeping regions now (about 0.5 s per GiB, once)
+/// and returns the pinned capacity.
+#[pyfunction]
+fn reserve_host(py: Python<'_>, nbytes: usize, device: i32) -> PyResult<usize> {
+    Ok(py.detach(|| regions::reserve_host(nbytes, device))?)
+}
+
+/// `{"capacity", "free", "pin_seconds", "pins"}` of the pinned arena, or `None` before the
+/// first pin.
+#[pyfunction]
+fn host_arena(py: Python<'_>) -> PyResult<Option<Bound<'_, PyDict>>> {
+    let Some((capacity, free, pin_seconds, pins)) = regions::host_arena() else {
+        return Ok(None);
+    };
+    let out = PyDict::new(py);
+    out.set_item("capacity", capacity)?;
+    out.set_item("free", free)?;
+    out.set_item("pin_seconds", pin_seconds)?;
+    out.set_item("pins", pins)?;
+    Ok(Some(out))
+}
+
+/// The tag of the region whose reservation holds `address`, or `None`.
+#[pyfunction]
+fn owner(address: u64) -> Option<String> {
+    regions::owner(address)
+}
+
+/// Whether a CUDA driver (libcuda) can be loaded on this machine.
+#[pyfunction]
+fn driver_present() -> bool {
+    stablebuf::driver_present()
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("MAX_TAGS", tags::MAX_TAGS)?;
+    m.add("FREE_SYMBOL", abi::FREE_SYMBOL)?;
+    m.add("Error", py.get_type::<Error>())?;
+    m.add("OutOfMemory", py.get_type::<OutOfMemory>())?;
+    m.add("OverBudget", py.get_type::<OverBudget>())?;
+    m.add("Asleep", py.get_type::<Asleep>())?;
+    m.add("Unbound", py.get_type::<Unbound>())?;
+    m.add("UnknownTag", py.get_type::<UnknownTag>())?;
+    m.add("SnapshotMismatch", py.get_type::<SnapshotMismatch>())?;
+    m.add_class::<WeightSet>()?;
+    m.add_function(wrap_pyfunction!(register, m)?)?;
+    m.add_function(wrap_pyfunction!(registered_tags, m)?)?;
+    m.add_function(wrap_pyfunction!(alloc_symbol, m)?)?;
+    m.add_function(wrap_pyfunction!(take_alloc_error, m)?)?;
+    m.add_function(wrap_pyfunction!(take_free_errors, m)?)?;
+    m.add_function(wrap_pyfunction!(sleep, m)?)?;
+    m.add_function(wrap_pyfunction!(wake, m)?)?;
+    m.add_function(wrap_pyfunction!(snapshot, m)?)?;
+    m.add_function(wrap_pyfunction!(bind, m)?)?;
+    m.add_function(wrap_pyfunction!(bound, m)?)?;
+    m.add_function(wrap_pyfunction!(unbind, m)?)?;
+    m.add_function(wrap_pyfunction!(check_replayable, m)?)?;
+    m.add_function(wrap_pyfunction!(region_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(timeline_svg, m)?)?;
+    m.add_function(wrap_pyfunction!(reserve_host, m)?)?;
+    m.add_function(wrap_pyfunction!(host_arena, m)?)?;
+    m.add_function(wrap_pyfunction!(owner, m)?)?;
+    m.add_function(wrap_pyfunction!(driver_present, m)?)?;
+    Ok(())
+}

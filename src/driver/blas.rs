@@ -1,5 +1,5 @@
-//! A cuBLAS handle with a workspace, and raw SGEMM. The checked, row-major interface on slots is
-//! `kernels::Blas`; this level only wraps the handle and the calls.
+//! A cuBLAS handle with a workspace, and raw SGEMM and GemmEx (bf16). The checked, row-major
+//! interface on slots is `kernels::Blas`; this level only wraps the handle and the calls.
 
 use std::sync::Arc;
 
@@ -37,6 +37,28 @@ pub(crate) struct Sgemm {
     pub beta: f32,
     pub c: sys::CUdeviceptr,
     pub ldc: i32,
+}
+
+/// Column-major operand shapes of one bf16 GemmEx: `C[m,n] = alpha · op(A)[m,k] · B[k,n] +
+/// beta · C`, A and B bf16, C bf16 or FP32, FP32 accumulation (`CUBLAS_COMPUTE_32F`), the default
+/// algorithm. B is never transposed.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct GemmBf16 {
+    /// `op(A) = Aᵀ` (A is stored `k × m`, leading dimension `lda ≥ k`) instead of A.
+    pub transpose_a: bool,
+    pub m: i32,
+    pub n: i32,
+    pub k: i32,
+    pub alpha: f32,
+    pub a: sys::CUdeviceptr,
+    pub lda: i32,
+    pub b: sys::CUdeviceptr,
+    pub ldb: i32,
+    pub beta: f32,
+    pub c: sys::CUdeviceptr,
+    pub ldc: i32,
+    /// C holds FP32 (`CUDA_R_32F`) rather than bf16 (`CUDA_R_16BF`).
+    pub c_f32: bool,
 }
 
 impl BlasHandle {
@@ -79,6 +101,51 @@ impl BlasHandle {
                     &g.beta,
                     g.c as *mut f32,
                     g.ldc,
+                )
+            }
+        })
+    }
+
+    /// Enqueues one column-major bf16 GemmEx. The caller has checked that each pointer holds
+    /// its operand in full (A: lda × (k or m) bf16, B: ldb × n bf16, C: ldc × n elements of
+    /// C's type).
+    pub(crate) fn gemm_bf16(&self, g: GemmBf16) -> Result<()> {
+        use cublas_sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
+        let transa = if g.transpose_a {
+            cublasOperation_t::CUBLAS_OP_T
+        } else {
+            cublasOperation_t::CUBLAS_OP_N
+        };
+        let c_type = if g.c_f32 {
+            cudaDataType::CUDA_R_32F
+        } else {
+            cudaDataType::CUDA_R_16BF
+        };
+        blas_call("cublasGemmEx", || {
+            // SAFETY: the operands were checked by the caller; with CUBLAS_COMPUTE_32F the scale
+            // type is FP32, so alpha and beta point to f32 host values that outlive the call
+            // (the default host pointer mode reads them during the call).
+            unsafe {
+                cublas::gemm_ex(
+                    *self.blas.handle(),
+                    transa,
+                    cublasOperation_t::CUBLAS_OP_N,
+                    g.m,
+                    g.n,
+                    g.k,
+                    (&g.alpha as *const f32).cast(),
+                    g.a as *const std::ffi::c_void,
+                    cudaDataType::CUDA_R_16BF,
+                    g.lda,
+                    g.b as *const std::ffi::c_void,
+                    cudaDataType::CUDA_R_16BF,
+                    g.ldb,
+                    (&g.beta as *const f32).cast(),
+                    g.c as *mut std::ffi::c_void,
+                    c_type,
+                    g.ldc,
+                    cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
                 )
             }
         })

@@ -116,9 +116,53 @@ pub(crate) fn copy_to_device(
     })
 }
 
+/// A zeroed host buffer of `bytes` to receive a transfer, or `None` if the allocator refuses.
+/// Large buffers come from `calloc`/`mmap`, so no page is touched (or zero-filled) until it is
+/// written; the kernel is asked to back them with transparent huge pages, so the first write
+/// faults once per 2 MiB instead of once per 4 KiB.
+pub(crate) fn transfer_buffer(bytes: usize) -> Option<Vec<u8>> {
+    let mut buffer = zeroed_host_buffer(bytes)?;
+    advise_huge_pages(&mut buffer);
+    Some(buffer)
+}
+
+/// Below this, a buffer is not worth advising (it may not even be `mmap`ed).
+const HUGE_PAGE_ADVICE_MIN: usize = 4 << 20;
+
+/// `madvise(MADV_HUGEPAGE)` on the whole pages inside `buffer`. Advice only: where transparent
+/// huge pages are off or the call fails, the buffer works as before, with 4 KiB pages.
+fn advise_huge_pages(buffer: &mut [u8]) {
+    const PAGE: usize = 4096;
+    if buffer.len() < HUGE_PAGE_ADVICE_MIN {
+        return;
+    }
+    let start = buffer.as_mut_ptr() as usize;
+    let first = start.next_multiple_of(PAGE);
+    let end = (start + buffer.len()) / PAGE * PAGE;
+    let Some(address) = std::ptr::NonNull::new(first as *mut std::ffi::c_void) else {
+        return;
+    };
+    if end <= first {
+        return;
+    }
+    // SAFETY: [first, end) is whole pages inside `buffer`, which this thread borrows mutably;
+    // MADV_HUGEPAGE changes how the kernel backs the pages, never their contents (it is
+    // advice, unlike MADV_DONTNEED/MADV_FREE).
+    let advised = unsafe {
+        nix::sys::mman::madvise(
+            address,
+            end - first,
+            nix::sys::mman::MmapAdvise::MADV_HUGEPAGE,
+        )
+    };
+    if let Err(errno) = advised {
+        tracing::debug!(%errno, "madvise(MADV_HUGEPAGE) refused; keeping 4 KiB pages");
+    }
+}
+
 /// A zeroed host buffer of `bytes`, or `None` if the allocator refuses. Large buffers come from
 /// `calloc`/`mmap`, so no page is touched (or zero-filled) until it is written.
-pub(crate) fn zeroed_host_buffer(bytes: usize) -> Option<Vec<u8>> {
+fn zeroed_host_buffer(bytes: usize) -> Option<Vec<u8>> {
     if bytes == 0 {
         return Some(Vec::new());
     }

@@ -103,8 +103,9 @@ pub(crate) fn function<A>(
     })
 }
 
-/// The parameter lists of the functions in `kernels/matmul.cu`, as written there. `u64` stands
-/// for a device pointer; `i32` for `int`; `u64` also for `unsigned long long`.
+/// The parameter lists of the functions in `kernels/matmul.cu` and `kernels/decode.cu`, as
+/// written there. `u64` stands for a device pointer; `i32` for `int`; `u32` for `unsigned int`;
+/// `u64` also for `unsigned long long`.
 pub(crate) mod abi {
     use super::Signature;
 
@@ -138,4 +139,35 @@ pub(crate) mod abi {
     /// `affine_f32(float*, unsigned long long n, float a, float b)`
     pub(crate) const AFFINE_F32: Signature<(Ptr, u64, f32, f32)> =
         unsafe { Signature::declare("affine_f32") };
+
+    // SAFETY (every declaration below): checked by hand against the `extern "C"` signatures in
+    // kernels/decode.cu (bf16 travels as `unsigned short*`, a device pointer like any other).
+    /// `bias_act_bf16(const float* y, const unsigned short* bias, unsigned short* out, int rows,
+    /// int cols, int act)`
+    pub(crate) const BIAS_ACT_BF16: Signature<(Ptr, Ptr, Ptr, i32, i32, i32)> =
+        unsafe { Signature::declare("bias_act_bf16") };
+    /// `residual_add_bf16(const float* y, const unsigned short* bias,
+    /// const unsigned short* residual, unsigned short* out, int rows, int cols)`
+    pub(crate) const RESIDUAL_ADD_BF16: Signature<(Ptr, Ptr, Ptr, Ptr, i32, i32)> =
+        unsafe { Signature::declare("residual_add_bf16") };
+    /// `rms_norm_bf16(const unsigned short* x, const unsigned short* gamma, unsigned short* out,
+    /// int rows, int cols, float eps)`
+    pub(crate) const RMS_NORM_BF16: Signature<(Ptr, Ptr, Ptr, i32, i32, f32)> =
+        unsafe { Signature::declare("rms_norm_bf16") };
+    /// `fill_bf16(unsigned short*, unsigned long long n, unsigned int bits)`
+    pub(crate) const FILL_BF16: Signature<(Ptr, u64, u32)> =
+        unsafe { Signature::declare("fill_bf16") };
+    /// `fill_uniform_bf16(unsigned short*, unsigned long long n, unsigned long long seed,
+    /// float lo, float hi)`
+    pub(crate) const FILL_UNIFORM_BF16: Signature<(Ptr, u64, u64, f32, f32)> =
+        unsafe { Signature::declare("fill_uniform_bf16") };
+    /// `convert_f32_to_bf16(const float*, unsigned short*, unsigned long long n)`
+    pub(crate) const CONVERT_F32_TO_BF16: Signature<(Ptr, Ptr, u64)> =
+        unsafe { Signature::declare("convert_f32_to_bf16") };
+    /// `convert_bf16_to_f32(const unsigned short*, float*, unsigned long long n)`
+    pub(crate) const CONVERT_BF16_TO_F32: Signature<(Ptr, Ptr, u64)> =
+        unsafe { Signature::declare("convert_bf16_to_f32") };
+    /// `partial_sums_bf16(const unsigned short*, unsigned long long n, float* out)`
+    pub(crate) const PARTIAL_SUMS_BF16: Signature<(Ptr, u64, Ptr)> =
+        unsafe { Signature::declare("partial_sums_bf16") };
 }

@@ -7,11 +7,14 @@
 //! it concerns, and a `debug` event with its duration and result.
 
 pub(crate) mod blas;
+pub(crate) mod device;
 pub(crate) mod graph;
 pub(crate) mod host;
 pub(crate) mod interop;
 pub(crate) mod launch;
 pub(crate) mod linear;
+#[cfg(feature = "nccl")]
+pub(crate) mod nccl;
 pub(crate) mod share;
 pub(crate) mod vmm;
 
@@ -65,10 +68,30 @@ pub(crate) fn driver_error(call: &'static str, bytes: usize, result: sys::CUresu
     }
 }
 
+// Which of cudarc's modes is on decides how `driver_present` can tell; with none of ours on,
+// cudarc may still be loading dynamically through another crate's `fallback-dynamic-loading`.
+#[cfg(not(any(
+    feature = "dynamic-loading",
+    feature = "dynamic-linking",
+    feature = "static-linking"
+)))]
+compile_error!(
+    "stablebuf: turn on one of the features `dynamic-loading` (the default), `dynamic-linking` \
+     (beside candle-core's `cuda`) or `static-linking`"
+);
+
 /// Whether libcuda can be loaded here. Everything else in the crate needs it.
+#[cfg(feature = "dynamic-loading")]
 pub fn driver_present() -> bool {
     // SAFETY: only tries to open the shared library; no CUDA call is made.
     unsafe { sys::is_culib_present() }
+}
+
+/// Whether libcuda can be loaded here. Linked builds only start where the loader found libcuda,
+/// so this is always true.
+#[cfg(not(feature = "dynamic-loading"))]
+pub fn driver_present() -> bool {
+    true
 }
 
 /// Opens device `ordinal` (its primary context) the way stablebuf wants it.
@@ -77,6 +100,10 @@ pub fn driver_present() -> bool {
 /// per-buffer event tracking is switched off, because its events make stream capture fail
 /// (errors 905/907) as soon as a `CudaSlice` is touched inside a capture; stablebuf orders its
 /// own memory with explicit fences instead.
+///
+/// A context made elsewhere (candle's `CudaDevice`) may keep tracking on. stablebuf's memory never
+/// takes part in it, and captures work while they touch only stablebuf memory; touching a
+/// tracked `CudaSlice` inside a capture fails as above (`compat/README.md` has the details).
 pub fn open_device(ordinal: usize) -> Result<Arc<CudaContext>> {
     if !driver_present() {
         return Err(Error::NoDriver);

@@ -19,13 +19,72 @@ use cudarc::driver::{sys, CudaContext};
 use super::{bind_context, traced_raw};
 use crate::error::{Error, Result};
 
-fn allocation_prop(ordinal: i32, shareable: bool) -> sys::CUmemAllocationProp {
+/// Where physical memory lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Location {
+    /// On GPU `ordinal`.
+    Device(usize),
+    /// Pinned host memory (`CU_MEM_LOCATION_TYPE_HOST`, drivers ≥ 12.2 that support it): GPUs
+    /// read and write it over PCIe or NVLink-C2C without a copy.
+    Host,
+    /// Pinned host memory on NUMA node `node` (`CU_MEM_LOCATION_TYPE_HOST_NUMA`).
+    HostNuma(u32),
+}
+
+impl Location {
+    /// The device whose context allocates it, for device memory.
+    pub fn device(self) -> Option<usize> {
+        match self {
+            Location::Device(ordinal) => Some(ordinal),
+            Location::Host | Location::HostNuma(_) => None,
+        }
+    }
+
+    fn raw(self) -> sys::CUmemLocation {
+        use sys::CUmemLocationType as T;
+        match self {
+            Location::Device(ordinal) => location(T::CU_MEM_LOCATION_TYPE_DEVICE, ordinal as i32),
+            Location::Host => location(T::CU_MEM_LOCATION_TYPE_HOST, 0),
+            Location::HostNuma(node) => location(T::CU_MEM_LOCATION_TYPE_HOST_NUMA, node as i32),
+        }
+    }
+}
+
+/// Device `ordinal` as a memory location.
+fn device_location(ordinal: i32) -> sys::CUmemLocation {
+    location(sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, ordinal)
+}
+
+/// A memory location. C lays it out as `{ CUmemLocationType type; int id; }` in every CUDA
+/// version, but from 13.2 the bindings put `id` in an anonymous union, so it is written by
+/// offset: the same code then compiles with every binding version cudarc offers (a dependent may
+/// choose one, or let nvcc's version choose).
+fn location(kind: sys::CUmemLocationType, id: i32) -> sys::CUmemLocation {
+    const _: () = assert!(
+        std::mem::size_of::<sys::CUmemLocation>() == 8
+            && std::mem::offset_of!(sys::CUmemLocation, type_) == 0
+            && std::mem::size_of::<sys::CUmemLocationType>() == 4
+    );
+    // SAFETY: a plain C struct for which all-zero bytes are valid.
+    let mut location: sys::CUmemLocation = unsafe { std::mem::zeroed() };
+    location.type_ = kind;
+    // SAFETY: the asserts above pin the layout: `id` is the 4-byte int at offset 4, inside the
+    // struct and aligned for i32.
+    unsafe {
+        std::ptr::addr_of_mut!(location)
+            .cast::<i32>()
+            .add(1)
+            .write(id)
+    };
+    location
+}
+
+fn allocation_prop(at: Location, shareable: bool) -> sys::CUmemAllocationProp {
     // SAFETY: CUmemAllocationProp is a plain C struct for which all-zero bytes are valid
     // (null pointer, zero enums and flags); cudarc gives it no Default.
     let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
     prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
-    prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
-    prop.location.id = ordinal;
+    prop.location = at.raw();
     if shareable {
         prop.requestedHandleTypes =
             sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
@@ -33,15 +92,16 @@ fn allocation_prop(ordinal: i32, shareable: bool) -> sys::CUmemAllocationProp {
     prop
 }
 
-fn ordinal_of(ctx: &CudaContext) -> i32 {
-    ctx.ordinal() as i32
-}
-
 /// The allocation granularity of `ctx`'s device: every size and offset of a mapping is a
 /// multiple of it (2 MiB on current NVIDIA GPUs).
 pub fn granularity(ctx: &CudaContext, shareable: bool) -> Result<usize> {
+    granularity_at(ctx, Location::Device(ctx.ordinal()), shareable)
+}
+
+/// The allocation granularity of memory at `at`, asked through `ctx`.
+pub fn granularity_at(ctx: &CudaContext, at: Location, shareable: bool) -> Result<usize> {
     bind_context(ctx)?;
-    let prop = allocation_prop(ordinal_of(ctx), shareable);
+    let prop = allocation_prop(at, shareable);
     let mut granularity = 0usize;
     traced_raw("cuMemGetAllocationGranularity", 0, || {
         // SAFETY: both pointers are valid for the duration of the call.
@@ -114,13 +174,26 @@ pub struct Physical {
     handle: sys::CUmemGenericAllocationHandle,
     bytes: usize,
     shareable: bool,
+    location: Location,
 }
 
 impl Physical {
     /// Allocates `bytes` (a multiple of the granularity) on `ctx`'s device.
     pub fn new(ctx: &Arc<CudaContext>, bytes: usize, shareable: bool) -> Result<Self> {
+        Self::new_at(ctx, bytes, shareable, Location::Device(ctx.ordinal()))
+    }
+
+    /// Allocates `bytes` (a multiple of the location's granularity) at `at`: this device, a
+    /// peer GPU, or pinned host memory. Mapped with access for a device, kernels there read and
+    /// write it in place.
+    pub fn new_at(
+        ctx: &Arc<CudaContext>,
+        bytes: usize,
+        shareable: bool,
+        at: Location,
+    ) -> Result<Self> {
         bind_context(ctx)?;
-        let prop = allocation_prop(ordinal_of(ctx), shareable);
+        let prop = allocation_prop(at, shareable);
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
         traced_raw("cuMemCreate", bytes, || {
             // SAFETY: valid out-pointer and property struct; flags must be 0.
@@ -131,7 +204,13 @@ impl Physical {
             handle,
             bytes,
             shareable,
+            location: at,
         })
+    }
+
+    /// Where the memory lives.
+    pub fn location(&self) -> Location {
+        self.location
     }
 
     /// Bytes of physical memory allocated.
@@ -163,6 +242,7 @@ impl Physical {
             handle,
             bytes,
             shareable: true,
+            location: Location::Device(ctx.ordinal()),
         }
     }
 }
@@ -225,24 +305,98 @@ impl Mapping {
                 physical.bytes()
             )));
         }
+        let mapping = Self::map_only(reservation, offset, physical, physical_offset, bytes)?;
+        set_access(mapping.ptr, bytes, access_devices)?; // on error `mapping` drops and unmaps
+        Ok(mapping)
+    }
+
+    /// `cuMemMap` alone: the range is mapped but no device may access it yet. The caller checked
+    /// the bounds and sets access before handing the mapping out.
+    fn map_only(
+        reservation: &Arc<Reservation>,
+        offset: usize,
+        physical: &Arc<Physical>,
+        physical_offset: usize,
+        bytes: usize,
+    ) -> Result<Self> {
         bind_context(&reservation.ctx)?;
         let ptr = reservation.base() + offset as u64;
         let handle = physical.handle;
         traced_raw("cuMemMap", bytes, || {
-            // SAFETY: [ptr, ptr + bytes) lies inside a live reservation (checked above) and the
-            // handle is live; an overlap with an existing mapping is reported by the driver.
+            // SAFETY: [ptr, ptr + bytes) lies inside a live reservation (checked by the caller)
+            // and the handle is live; an overlap with an existing mapping is reported by the
+            // driver.
             unsafe { sys::cuMemMap(ptr, bytes, physical_offset, handle, 0) }
         })?;
-        let mapping = Self {
+        Ok(Self {
             ptr,
             bytes,
             physical: physical.clone(),
             reservation: reservation.clone(),
             leak: false,
             exposed: AtomicBool::new(false),
+        })
+    }
+
+    /// Maps each of `physicals` whole, side by side from `reservation`'s base + `offset`, then
+    /// grants read-write access to `access_devices` over the whole run with ONE
+    /// `cuMemSetAccess` (the driver accepts a range that spans several allocations as long as
+    /// all of it is mapped). Stitching many chunks this way pays one set-access instead of one per
+    /// chunk. If the driver refuses the spanning call, access is granted per mapping instead.
+    ///
+    /// All or nothing: on any error every mapping made so far is unmapped before returning.
+    pub fn new_many(
+        reservation: &Arc<Reservation>,
+        offset: usize,
+        physicals: &[Arc<Physical>],
+        access_devices: &[usize],
+    ) -> Result<Vec<Self>> {
+        let total = physicals
+            .iter()
+            .try_fold(0usize, |sum, p| sum.checked_add(p.bytes()));
+        let fits = |total: usize| {
+            total > 0
+                && offset
+                    .checked_add(total)
+                    .is_some_and(|end| end <= reservation.bytes())
         };
-        mapping.set_access(access_devices)?; // on error `mapping` drops and unmaps
-        Ok(mapping)
+        let Some(total) = total.filter(|&t| fits(t)) else {
+            return Err(Error::InvalidShape(format!(
+                "mapping {} allocations at offset {offset} of a {} byte reservation",
+                physicals.len(),
+                reservation.bytes()
+            )));
+        };
+        let mut made: Vec<Self> = Vec::with_capacity(physicals.len());
+        let mut at = offset;
+        for physical in physicals {
+            // On error `made` drops here and unmaps what was mapped.
+            made.push(Self::map_only(
+                reservation,
+                at,
+                physical,
+                0,
+                physical.bytes(),
+            )?);
+            at += physical.bytes();
+        }
+        let start = reservation.base() + offset as u64;
+        if made.len() == 1 {
+            set_access(start, total, access_devices)?;
+            return Ok(made);
+        }
+        if let Err(spanning) = set_access(start, total, access_devices) {
+            tracing::warn!(%spanning, mappings = made.len(), "the driver refused one set-access over several mappings; setting it per mapping");
+            for mapping in &made {
+                set_access(mapping.ptr, mapping.bytes, access_devices)?;
+            }
+        }
+        Ok(made)
+    }
+
+    /// The reservation this mapping lives in.
+    pub(crate) fn reservation(&self) -> &Arc<Reservation> {
+        &self.reservation
     }
 
     /// `physical` mapped whole at a fresh reservation of its own: a private address for it.
@@ -254,25 +408,6 @@ impl Mapping {
         let bytes = physical.bytes();
         let reservation = Arc::new(Reservation::new(ctx, bytes, granularity(ctx, false)?)?);
         Self::new(&reservation, 0, physical, 0, bytes, access_devices)
-    }
-
-    fn set_access(&self, devices: &[usize]) -> Result<()> {
-        let descriptors: Vec<sys::CUmemAccessDesc> = devices
-            .iter()
-            .map(|&ordinal| {
-                // SAFETY: a plain C struct for which all-zero bytes are valid.
-                let mut desc: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
-                desc.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
-                desc.location.id = ordinal as i32;
-                desc.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-                desc
-            })
-            .collect();
-        let (ptr, bytes) = (self.ptr, self.bytes);
-        traced_raw("cuMemSetAccess", bytes, || {
-            // SAFETY: the range is exactly one live mapping; `descriptors` outlives the call.
-            unsafe { sys::cuMemSetAccess(ptr, bytes, descriptors.as_ptr(), descriptors.len()) }
-        })
     }
 
     /// The mapped address. Unlike passing the mapping itself to a launcher (as a
@@ -302,6 +437,26 @@ impl Mapping {
     pub(crate) fn leak_on_drop(&mut self) {
         self.leak = true;
     }
+}
+
+/// Grants read-write access to `devices` over `[ptr, ptr + bytes)`, which the caller has fully
+/// mapped (one mapping, or several side by side) with mappings it owns.
+fn set_access(ptr: sys::CUdeviceptr, bytes: usize, devices: &[usize]) -> Result<()> {
+    let descriptors: Vec<sys::CUmemAccessDesc> = devices
+        .iter()
+        .map(|&ordinal| {
+            // SAFETY: a plain C struct for which all-zero bytes are valid.
+            let mut desc: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
+            desc.location = device_location(ordinal as i32);
+            desc.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+            desc
+        })
+        .collect();
+    traced_raw("cuMemSetAccess", bytes, || {
+        // SAFETY: the range is mapped end to end by live mappings the caller owns (a gap is
+        // reported by the driver, not acted on); `descriptors` outlives the call.
+        unsafe { sys::cuMemSetAccess(ptr, bytes, descriptors.as_ptr(), descriptors.len()) }
+    })
 }
 
 impl Drop for Mapping {
@@ -336,5 +491,22 @@ impl Drop for Mapping {
         if let Err(error) = unmapped {
             tracing::error!(%error, ptr, bytes, "unmapping failed");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // Bindings that still name the field: the offset write must land in `id`.
+    #[cfg(not(any(feature = "cuda-13020", feature = "cuda-13030", feature = "cuda-13040")))]
+    #[test]
+    fn device_location_writes_the_id_field() {
+        let location = device_location(7);
+        assert_eq!(location.id, 7);
+        assert_eq!(
+            location.type_,
+            sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE
+        );
     }
 }

@@ -4,15 +4,35 @@
 //! [`wake`](crate::region::Region::wake) and [`Space::sleep`](crate::Space::sleep) /
 //! [`wake`](crate::Space::wake) handle binding, release and identity on top of this.
 //!
-//! | storage | offload / restore speed | host cost | use when |
+//! | storage | how the bytes move | host cost | use when |
 //! | --- | --- | --- | --- |
-//! | [`HostStorage::Pinned`] arena, dataset fits | PCIe speed (~50 GB/s on the H100 host), async | the arena, pinned once | the fast path: size the arena for what sleeps |
-//! | arena, dataset does not fit | close to PCIe speed: chunks stream through two staging regions, GPU copy of one chunk overlapping the host copy of the last | pageable memory of the dataset's size | datasets larger than the arena |
-//! | [`HostStorage::Pageable`] | measured on the H100 host: ~1.5 GB/s out (each offload writes freshly faulted pages), ~8 GB/s back | pageable memory, no pinning | rare sleeps, no arena |
+//! | [`HostStorage::Pinned`] arena, dataset fits | one async copy per range, PCIe speed (50–55 GB/s each way on the H100 host) | the arena, pinned once | the fast path: size the arena for what sleeps |
+//! | arena, dataset does not fit | 64 MiB chunks through two staging regions of the arena: the GPU copies one chunk while up to 8 host threads copy the previous one to or from pageable memory | pageable memory of the dataset's size | datasets larger than the arena |
+//! | [`HostStorage::Pageable`] | the same chunked path through the process's own staging buffer (2 × 64 MiB, pinned on the first pageable transfer, kept for the process) | pageable memory, and 128 MiB pinned once per process | no arena |
 //! | [`HostStorage::Discard`] | nothing copied | none | data you can regenerate (weights on disk): restore leaves memory uninitialised or calls the dataset's refill |
+//!
+//! Why pageable memory is staged by us: handed pageable memory, the driver copies through a
+//! small pinned buffer of its own on one thread. Measured on the H100 host that ran at 1.4–1.7
+//! GB/s out (every offload writes freshly allocated pages, each faulted and zeroed on first
+//! touch) and 8–10 GB/s back, against a target of 10 GB/s each way. Staged, the faults and
+//! copies are spread over several threads and overlap the PCIe copy of the next chunk, and the
+//! receiving buffer asks for transparent huge pages (one fault per 2 MiB). A second pageable
+//! transfer running while another holds the process staging buffer copies directly (the old
+//! speed) rather than wait. `benches/offload.rs` prints the GB/s of every path against a raw
+//! pinned copy (the floor) and whether each reaches the target.
+//!
+//! Restore: a dataset keeps its home address range reserved while offloaded, so a restore
+//! creates memory (`cuMemCreate`), maps it and grants access, then copies. A dataset is one
+//! physical allocation by design (a bind is one mapping), so the creation cannot be split and
+//! overlapped with the copy; the bench prints what each driver call of a restore costs
+//! (`cuMemCreate`, `cuMemMap`, `cuMemSetAccess`, the copy) right after an offload and after the
+//! device has settled, since memory released by the offload is scrubbed by the driver in the
+//! background.
 
 mod arena;
 pub(crate) mod copy;
+mod parallel;
+mod staging;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -27,7 +47,8 @@ pub(crate) use copy::{HostCopy, Piece};
 pub enum HostStorage {
     /// A pinned arena, allocated once and reused (see the module table).
     Pinned(Arc<HostArena>),
-    /// Ordinary host memory, allocated per offload.
+    /// Ordinary host memory, allocated per offload. It streams through a pinned staging buffer
+    /// of 128 MiB that the process pins on its first pageable transfer and keeps.
     Pageable,
     /// Nothing is kept; restore gives uninitialised memory, or runs the dataset's refill.
     Discard,
@@ -41,7 +62,8 @@ pub enum StorageUsed {
     Arena,
     /// Pageable memory, streamed in chunks through the arena.
     ArenaStaged,
-    /// Pageable memory, copied directly.
+    /// Pageable memory, staged through the process's pinned buffer (copied directly when the
+    /// transfer is under 1 MiB or another transfer holds the buffer).
     Pageable,
     /// Not copied.
     Discarded,

@@ -1,16 +1,35 @@
-//! cuBLAS SGEMM on slots, checked and safe, ready to be captured into a graph.
+//! cuBLAS SGEMM and bf16 GemmEx on slots, checked and safe, ready to be captured into a graph.
 
 use std::sync::Arc;
 
 use cudarc::driver::CudaStream;
 
-use super::{dim, need};
+use super::{dim, need, need_elems, BF16, F32};
 use crate::buffer::DeviceBuffer;
-use crate::driver::blas::{BlasHandle, Sgemm};
+use crate::driver::blas::{BlasHandle, GemmBf16, Sgemm};
 use crate::error::Result;
 
 /// Bytes of workspace cuBLAS wants on Hopper; smaller GPUs use less of it.
 pub const RECOMMENDED_WORKSPACE: usize = 32 << 20;
+
+/// How the `B` operand of [`Blas::gemm_bf16`] is stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightLayout {
+    /// `k × n`, row-major: `C = A · B`.
+    KByN,
+    /// `n × k`, row-major, like a `torch.nn.Linear` weight (`out × in`): `C = A · Bᵀ`. This is
+    /// the layout cuBLAS's GEMV-like kernels read best at small batch.
+    NByK,
+}
+
+/// The element type [`Blas::gemm_bf16`] writes to `C`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemmOutput {
+    /// bf16, rounded once from the FP32 accumulator.
+    Bf16,
+    /// The FP32 accumulator itself (for an epilogue kernel to finish).
+    F32,
+}
 
 /// A cuBLAS handle bound to one stream, with a workspace this crate owns.
 ///
@@ -79,6 +98,50 @@ impl Blas {
             beta,
             c: c.device_address(),
             ldc: ni,
+        })
+    }
+
+    /// Enqueues row-major `C[m,n] = A[m,k] · B` in bf16 with FP32 accumulation
+    /// (`cublasGemmEx`, `CUBLAS_COMPUTE_32F`, default algorithm) on the handle's stream. A and B
+    /// are bf16 (16-bit patterns, e.g. `u16` slots); `layout` says how B is stored; C is written
+    /// (never read, so it may hold NaN) as `output`. `[m, n, k]` is the shape.
+    pub fn gemm_bf16(
+        &self,
+        a: &impl DeviceBuffer,
+        b: &impl DeviceBuffer,
+        layout: WeightLayout,
+        c: &impl DeviceBuffer,
+        output: GemmOutput,
+        [m, n, k]: [usize; 3],
+    ) -> Result<()> {
+        let (mi, ni, ki) = (dim("m", m)?, dim("n", n)?, dim("k", k)?);
+        need_elems("gemm_bf16 A", a, [m, k], BF16)?;
+        need_elems("gemm_bf16 B", b, [k, n], BF16)?;
+        let c_elem = match output {
+            GemmOutput::Bf16 => BF16,
+            GemmOutput::F32 => F32,
+        };
+        need_elems("gemm_bf16 C", c, [m, n], c_elem)?;
+        // Column-major cuBLAS computes Cᵀ[n,m] = op(B')·Aᵀ, where B' is B's memory read
+        // column-major: `n × k` as stored for KByN, `k × n` (so transposed) for NByK.
+        let (transpose_a, lda) = match layout {
+            WeightLayout::KByN => (false, ni),
+            WeightLayout::NByK => (true, ki),
+        };
+        self.handle.gemm_bf16(GemmBf16 {
+            transpose_a,
+            m: ni,
+            n: mi,
+            k: ki,
+            alpha: 1.0,
+            a: b.device_address(),
+            lda,
+            b: a.device_address(),
+            ldb: ki,
+            beta: 0.0,
+            c: c.device_address(),
+            ldc: ni,
+            c_f32: output == GemmOutput::F32,
         })
     }
 }

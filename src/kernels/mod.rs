@@ -1,10 +1,12 @@
-//! The kernels `build.rs` compiled from `kernels/matmul.cu`, and their typed launchers, plus
-//! cuBLAS SGEMM ([`Blas`]).
+//! The kernels `build.rs` compiled from `kernels/matmul.cu` ([`Kernels`]) and
+//! `kernels/decode.cu` ([`DecodeKernels`]: the bf16 operations of a decode step), their typed
+//! launchers, and cuBLAS SGEMM and bf16 GemmEx ([`Blas`]).
 //!
 //! Each launcher checks shapes and buffer sizes on the host first, so a wrong size is an
 //! [`Error`], never an out-of-bounds access on the GPU.
 
 mod blas;
+mod decode;
 mod ptx;
 
 use std::sync::Arc;
@@ -17,8 +19,11 @@ use crate::driver::launch::{abi, function, load_module, KernelFn};
 use crate::driver::traced;
 use crate::error::{Error, Result};
 
-pub use blas::{Blas, RECOMMENDED_WORKSPACE};
-pub use ptx::{PTX, PTX_COMPILER};
+pub use blas::{Blas, GemmOutput, WeightLayout, RECOMMENDED_WORKSPACE};
+pub use decode::{
+    bf16_from_f32, f32_from_bf16, uniform_bf16, Activation, DecodeKernels, MAX_PARTIAL_SUMS,
+};
+pub use ptx::{PTX, PTX_COMPILER, PTX_DECODE, PTX_DECODE_COMPILER};
 
 type Matmul = KernelFn<(u64, u64, u64, i32, i32, i32)>;
 
@@ -53,6 +58,8 @@ pub struct Kernels {
 
 const F32: usize = std::mem::size_of::<f32>();
 const U32: usize = std::mem::size_of::<u32>();
+/// Bytes of one bf16 element (carried as `u16`).
+const BF16: usize = std::mem::size_of::<u16>();
 
 pub(crate) fn dim(name: &str, value: usize) -> Result<i32> {
     match i32::try_from(value) {
@@ -63,10 +70,21 @@ pub(crate) fn dim(name: &str, value: usize) -> Result<i32> {
     }
 }
 
+/// `Err` unless `buffer` holds `elems[0] × elems[1]` FP32 values.
 pub(crate) fn need(what: &'static str, buffer: &dyn DeviceBuffer, elems: [usize; 2]) -> Result<()> {
+    need_elems(what, buffer, elems, F32)
+}
+
+/// `Err` unless `buffer` holds `elems[0] × elems[1]` elements of `elem_bytes` bytes each.
+pub(crate) fn need_elems(
+    what: &'static str,
+    buffer: &dyn DeviceBuffer,
+    elems: [usize; 2],
+    elem_bytes: usize,
+) -> Result<()> {
     let needed = elems[0]
         .checked_mul(elems[1])
-        .and_then(|n| n.checked_mul(F32))
+        .and_then(|n| n.checked_mul(elem_bytes))
         .ok_or_else(|| {
             Error::InvalidShape(format!("{what}: {} x {} overflows", elems[0], elems[1]))
         })?;
@@ -317,7 +335,7 @@ fn pattern_range(buffer: &dyn DeviceBuffer, first: usize, count: usize) -> Resul
     )
 }
 
-fn grid_stride(elements: u64) -> LaunchConfig {
+pub(crate) fn grid_stride(elements: u64) -> LaunchConfig {
     let blocks = elements.div_ceil(256).clamp(1, 8192) as u32;
     LaunchConfig {
         grid_dim: (blocks, 1, 1),

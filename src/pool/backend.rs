@@ -43,14 +43,15 @@ pub(crate) trait Backend: Send + 'static {
 
     fn reserve(&self, bytes: usize, alignment: usize) -> Result<Self::Reservation>;
     fn create(&self, bytes: usize) -> Result<Self::Memory>;
-    /// Maps all of `memory` (`bytes` long) at `offset` in `reservation` and grants access.
-    fn map(
+    /// Maps each of `memory` whole, side by side from `offset` in `reservation`, and grants
+    /// access over the whole run (one set-access for all of them). All or nothing: on error
+    /// nothing stays mapped.
+    fn map_run(
         &self,
         reservation: &Self::Reservation,
         offset: usize,
-        memory: &Arc<Self::Memory>,
-        bytes: usize,
-    ) -> Result<Self::Mapping>;
+        memory: &[Arc<Self::Memory>],
+    ) -> Result<Vec<Self::Mapping>>;
     fn fence(&self, policy: FencePolicy) -> Self::Fence;
 }
 
@@ -122,14 +123,13 @@ impl Backend for Vmm {
         Physical::new(&self.ctx, bytes, false)
     }
 
-    fn map(
+    fn map_run(
         &self,
         reservation: &Self::Reservation,
         offset: usize,
-        memory: &Arc<Self::Memory>,
-        bytes: usize,
-    ) -> Result<Self::Mapping> {
-        Mapping::new(reservation, offset, memory, 0, bytes, &self.access)
+        memory: &[Arc<Self::Memory>],
+    ) -> Result<Vec<Self::Mapping>> {
+        Mapping::new_many(reservation, offset, memory, &self.access)
     }
 
     fn fence(&self, policy: FencePolicy) -> Self::Fence {

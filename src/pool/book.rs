@@ -16,6 +16,33 @@ use std::collections::BTreeMap;
 
 use bitvec::prelude::*;
 
+/// Stitching is worth a mapping per this many bytes of a request, on average (see
+/// [`mapping_cap`]).
+pub const STITCH_BREAK_EVEN_BYTES: usize = 64 << 20;
+
+/// The most cached chunks a request of `bytes` stitches while the device has room for new
+/// memory: one per [`STITCH_BREAK_EVEN_BYTES`] of the request, rounded up. Taken largest first,
+/// so what the cap leaves out are the smallest chunks, and the rest of the request becomes one
+/// new chunk.
+///
+/// Why 64 MiB (driver costs measured on the H100, `shared/notes/driver-costs.md`): a stitched
+/// chunk costs one mapping for its life: `cuMemMap` ~1 µs, its share of `cuMemSetAccess` (28–45
+/// µs per mapping when granted one by one; 959 µs for 32 × 64 MiB) and `cuMemUnmap` 19–27 µs
+/// when freed, about 57 µs in all. New memory costs `cuMemCreate` (13 µs up to 64 MiB, 39 µs
+/// at 1 GiB) and, when the cache is drained, `cuMemRelease` (14 µs at 2 MiB, 55 µs at 64 MiB,
+/// 506 µs at 1 GiB), plus ONE mapping whatever its size. At 64 MiB the two balance (57 µs for
+/// one more mapping against 13 + 55 µs), so a chunk much smaller than that is cheaper to
+/// create afresh than to map. A request stitched from thousands of 2 MiB chunks would cost
+/// tens of milliseconds of mappings against well under a millisecond of new memory.
+///
+/// The cap is a time rule, not a memory rule: when the new memory does not fit (the driver is
+/// out of memory, or the pool's budget would have to release cache to make room), the pool
+/// stitches without a cap instead, so memory the cache holds is never left unused while a
+/// request fails.
+pub fn mapping_cap(bytes: usize) -> usize {
+    bytes.div_ceil(STITCH_BREAK_EVEN_BYTES).max(1)
+}
+
 /// Names a chunk for as long as it exists. Slots are reused after a chunk is released.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ChunkId(pub u32);
@@ -133,6 +160,7 @@ impl ChunkBook {
         self.cached_chunks().map(|(_, b)| b).max().unwrap_or(0)
     }
 
+    #[cfg(test)]
     pub fn bytes_of(&self, id: ChunkId) -> Option<usize> {
         self.chunk(id).map(|chunk| chunk.bytes)
     }
@@ -188,20 +216,22 @@ impl ChunkBook {
     /// nothing changes until the caller commits the plan piece by piece.
     ///
     /// With `stitching`, cached chunks are taken largest first while they fit in what is still
-    /// missing, so the fewest mappings cover the most bytes; without it a single cached chunk is
-    /// reused only if it covers the whole request (what a block cache can do). Either way, the
-    /// last piece may be a cached chunk somewhat larger than what is missing, overshooting by at
-    /// most an eighth of the request (and within `room` and the tenant's limit): mapping a few
-    /// spare megabytes is cheaper than a `cuMemCreate`. Whatever is left is created as one new
-    /// chunk. If the new chunk would push the pool over its budget, enough cached chunks that
-    /// the plan does not use are released first (largest first, fewest calls); if even that is
-    /// not enough, the request is refused as a whole.
+    /// missing, so the fewest mappings cover the most bytes, and at most `cap` of them when a
+    /// cap is given ([`mapping_cap`]); without stitching a single cached chunk is reused only if
+    /// it covers the whole request (what a block cache can do). Either way, the last piece may
+    /// be a cached chunk somewhat larger than what is missing, overshooting by at most an eighth
+    /// of the request (and within `room` and the tenant's limit): one mapping instead of a
+    /// `cuMemCreate` and a mapping, so it is taken past the cap too. Whatever is left is created
+    /// as one new chunk. If the new chunk would push the pool over its budget, enough cached
+    /// chunks that the plan does not use are released first (largest first, fewest calls); if
+    /// even that is not enough, the request is refused as a whole.
     pub fn plan(
         &self,
         tenant: TenantId,
         bytes: usize,
         stitching: bool,
         room: usize,
+        cap: Option<usize>,
     ) -> Result<Plan, OverBudget> {
         let account = self.accounts.get(&tenant).copied().unwrap_or_default();
         let mut headroom = usize::MAX;
@@ -224,8 +254,9 @@ impl ChunkBook {
         let mut reuse = Vec::new();
         let mut missing = bytes;
         if stitching {
+            let cap = cap.unwrap_or(usize::MAX);
             for &(id, size) in &cached {
-                if missing == 0 {
+                if missing == 0 || reuse.len() >= cap {
                     break;
                 }
                 if size <= missing {
@@ -478,7 +509,7 @@ mod tests {
         let mut book = book(None);
         let ids = cache(&mut book, &[1, 4, 2, 8, 2]);
         // 8 is too big; 4 + 2 leaves 1 missing, the second 2 overshoots, the 1 fits.
-        let plan = book.plan(A, 7 * G, true, 7 * G).unwrap();
+        let plan = book.plan(A, 7 * G, true, 7 * G, None).unwrap();
         assert_eq!(plan.reuse, vec![ids[1], ids[2], ids[0]]);
         assert_eq!(plan.create, 0);
         let reused: usize = plan
@@ -495,14 +526,14 @@ mod tests {
     fn stitching_covers_exactly_and_creates_the_rest() {
         let mut book = book(None);
         let ids = cache(&mut book, &[4, 4, 4]);
-        let plan = book.plan(A, 10 * G, true, 10 * G).unwrap();
+        let plan = book.plan(A, 10 * G, true, 10 * G, None).unwrap();
         assert_eq!(plan.reuse, vec![ids[0], ids[1]]);
         assert_eq!(
             plan.create,
             2 * G,
             "a 4-granule chunk would overshoot the last 2"
         );
-        let plan = book.plan(A, 12 * G, true, 12 * G).unwrap();
+        let plan = book.plan(A, 12 * G, true, 12 * G, None).unwrap();
         assert_eq!((plan.reuse.len(), plan.create), (3, 0));
     }
 
@@ -510,9 +541,9 @@ mod tests {
     fn without_stitching_only_an_exact_chunk_is_reused() {
         let mut book = book(None);
         let ids = cache(&mut book, &[4, 4, 8]);
-        let plan = book.plan(A, 12 * G, false, 12 * G).unwrap();
+        let plan = book.plan(A, 12 * G, false, 12 * G, None).unwrap();
         assert_eq!((plan.reuse.len(), plan.create), (0, 12 * G));
-        let plan = book.plan(A, 4 * G, false, 4 * G).unwrap();
+        let plan = book.plan(A, 4 * G, false, 4 * G, None).unwrap();
         assert_eq!(plan.reuse.len(), 1);
         assert!(ids[..2].contains(&plan.reuse[0]));
         assert_eq!(plan.create, 0);
@@ -523,31 +554,69 @@ mod tests {
         let mut book = book(None);
         let ids = cache(&mut book, &[32, 32, 32, 4]);
         // 66 granules: 32 + 32, then 2 missing; the 4-granule chunk overshoots by 2 <= 66/8.
-        let plan = book.plan(A, 66 * G, true, 80 * G).unwrap();
+        let plan = book.plan(A, 66 * G, true, 80 * G, None).unwrap();
         assert_eq!(plan.reuse, vec![ids[0], ids[1], ids[3]]);
         assert_eq!(plan.create, 0);
         // Without room to spare the rest is created instead.
-        let plan = book.plan(A, 66 * G, true, 66 * G).unwrap();
+        let plan = book.plan(A, 66 * G, true, 66 * G, None).unwrap();
         assert_eq!((plan.reuse.len(), plan.create), (2, 2 * G));
         // 61 granules: 32 + 4 + 25 missing; a 32-chunk overshoots by 7 <= 61/8 = 7.6.
-        let plan = book.plan(A, 61 * G, true, 128 * G).unwrap();
+        let plan = book.plan(A, 61 * G, true, 128 * G, None).unwrap();
         assert_eq!((plan.reuse.len(), plan.create), (3, 0));
         // 20 granules: a 32-chunk would overshoot by 12 > 20/8; stitching takes the 4, creates 16.
-        let plan = book.plan(A, 20 * G, true, 128 * G).unwrap();
+        let plan = book.plan(A, 20 * G, true, 128 * G, None).unwrap();
         assert_eq!((plan.reuse, plan.create), (vec![ids[3]], 16 * G));
         // A block cache reuses one chunk that covers the whole request within the slack.
-        let plan = book.plan(A, 30 * G, false, 64 * G).unwrap();
+        let plan = book.plan(A, 30 * G, false, 64 * G, None).unwrap();
         assert_eq!((plan.reuse, plan.create), (vec![ids[2]], 0));
         // Never past the tenant's own limit.
         let mut limited = ChunkBook::new(G, None);
         limited.open_account(A, Some(31 * G));
         let big = limited.insert(32 * G, None).unwrap();
         assert!(limited
-            .plan(A, 30 * G, false, 64 * G)
+            .plan(A, 30 * G, false, 64 * G, None)
             .unwrap()
             .reuse
             .is_empty());
         assert_eq!(limited.bytes_of(big), Some(32 * G));
+    }
+
+    #[test]
+    fn a_cap_leaves_the_smallest_chunks_cached_and_creates_the_rest() {
+        let mut book = book(None);
+        let ids = cache(&mut book, &[8, 4, 2, 1, 1]);
+        let full = book.plan(A, 16 * G, true, 16 * G, None).unwrap();
+        assert_eq!((full.reuse.len(), full.create), (5, 0));
+        let capped = book.plan(A, 16 * G, true, 16 * G, Some(2)).unwrap();
+        assert_eq!((capped.reuse, capped.create), (vec![ids[0], ids[1]], 4 * G));
+        assert_eq!(
+            book.plan(A, 16 * G, true, 16 * G, Some(5)).unwrap(),
+            full,
+            "a cap the plan does not reach changes nothing"
+        );
+        // 9 granules with 1 to spare: the 8 under the cap of one, then the 2-granule chunk
+        // covers the last one (overshoot 1 <= 9/8): one mapping instead of a create and one.
+        let mut two = ChunkBook::new(G, None);
+        two.open_account(A, None);
+        let (eight, pair) = (
+            two.insert(8 * G, None).unwrap(),
+            two.insert(2 * G, None).unwrap(),
+        );
+        let plan = two.plan(A, 9 * G, true, 10 * G, Some(1)).unwrap();
+        assert_eq!((plan.reuse, plan.create), (vec![eight, pair], 0));
+    }
+
+    #[test]
+    fn the_cap_is_one_mapping_per_64_mib_rounded_up() {
+        assert_eq!(mapping_cap(0), 1);
+        assert_eq!(mapping_cap(G), 1);
+        assert_eq!(mapping_cap(STITCH_BREAK_EVEN_BYTES), 1);
+        assert_eq!(mapping_cap(STITCH_BREAK_EVEN_BYTES + G), 2);
+        assert_eq!(
+            mapping_cap(2 << 30),
+            32,
+            "2 GiB from 32 x 64 MiB stitches whole"
+        );
     }
 
     #[test]
@@ -558,11 +627,11 @@ mod tests {
         assert_eq!(book.physical(), 16 * G);
         // 3 granules: no cached chunk fits without stitching, so 3 new; 3 over budget, so the
         // largest unused cached chunk (6) is released first.
-        let plan = book.plan(A, 3 * G, false, 3 * G).unwrap();
+        let plan = book.plan(A, 3 * G, false, 3 * G, None).unwrap();
         assert_eq!(plan.create, 3 * G);
         assert_eq!(plan.release_first, vec![ids[2]]);
         // 13 granules cannot fit: 4 are held, and 13 + 4 > 16.
-        let refused = book.plan(B, 13 * G, false, 13 * G).unwrap_err();
+        let refused = book.plan(B, 13 * G, false, 13 * G, None).unwrap_err();
         assert_eq!(
             refused,
             OverBudget {
@@ -573,7 +642,7 @@ mod tests {
             }
         );
         // Stitching serves 12 from the cache without creating anything.
-        let plan = book.plan(B, 12 * G, true, 12 * G).unwrap();
+        let plan = book.plan(B, 12 * G, true, 12 * G, None).unwrap();
         assert_eq!((plan.create, plan.release_first.len()), (0, 0));
         assert!(book.give_back(held));
         book.check_invariants().unwrap();
@@ -585,13 +654,13 @@ mod tests {
         assert!(book.open_account(A, Some(4 * G)));
         assert!(!book.open_account(A, None), "already open");
         book.insert(3 * G, Some(A)).unwrap();
-        let refused = book.plan(A, 2 * G, true, 2 * G).unwrap_err();
+        let refused = book.plan(A, 2 * G, true, 2 * G, None).unwrap_err();
         assert_eq!(refused.scope, BudgetScope::Tenant(A));
         assert_eq!(
             (refused.asked, refused.limit, refused.held),
             (2 * G, 4 * G, 3 * G)
         );
-        assert!(book.plan(A, G, true, G).is_ok());
+        assert!(book.plan(A, G, true, G, None).is_ok());
     }
 
     #[test]

@@ -17,6 +17,8 @@ pub(crate) enum Call {
     Reserve,
     Create,
     Map,
+    /// The one set-access over a run of mappings.
+    Access,
     Wait,
 }
 
@@ -228,33 +230,46 @@ impl Backend for Fake {
         })
     }
 
-    fn map(
+    fn map_run(
         &self,
         reservation: &FakeRange,
         offset: usize,
-        memory: &Arc<FakeChunk>,
-        bytes: usize,
-    ) -> Result<FakeMapping> {
-        assert_eq!(bytes, memory.bytes, "a chunk is always mapped whole");
-        assert!(
-            offset + bytes <= reservation.bytes,
-            "mapping past the reservation"
-        );
-        if self.inner.call(Call::Map) {
-            return Err(Error::Driver {
-                call: "cuMemMap",
-                result: CUresult::CUDA_ERROR_INVALID_VALUE,
+        memory: &[Arc<FakeChunk>],
+    ) -> Result<Vec<FakeMapping>> {
+        let mut made = Vec::with_capacity(memory.len());
+        let mut at = offset;
+        for chunk in memory {
+            let bytes = chunk.bytes;
+            assert!(
+                at + bytes <= reservation.bytes,
+                "mapping past the reservation"
+            );
+            if self.inner.call(Call::Map) {
+                return Err(Error::Driver {
+                    call: "cuMemMap",
+                    result: CUresult::CUDA_ERROR_INVALID_VALUE,
+                    bytes,
+                });
+            }
+            self.inner.live_mappings.fetch_add(1, Ordering::SeqCst);
+            made.push(FakeMapping {
+                ptr: reservation.base + at as u64,
                 bytes,
+                _memory: chunk.clone(),
+                inner: self.inner.clone(),
+                leaked: false,
+            });
+            at += bytes;
+        }
+        if self.inner.call(Call::Access) {
+            // `made` drops here: everything mapped above is unmapped again.
+            return Err(Error::Driver {
+                call: "cuMemSetAccess",
+                result: CUresult::CUDA_ERROR_INVALID_VALUE,
+                bytes: at - offset,
             });
         }
-        self.inner.live_mappings.fetch_add(1, Ordering::SeqCst);
-        Ok(FakeMapping {
-            ptr: reservation.base + offset as u64,
-            bytes,
-            _memory: memory.clone(),
-            inner: self.inner.clone(),
-            leaked: false,
-        })
+        Ok(made)
     }
 
     fn fence(&self, _policy: FencePolicy) -> FakeFence {

@@ -36,7 +36,11 @@
 //! range (**stitching**), so memory freed in scattered 64 MiB pieces serves one 40 GiB block
 //! with no `cuMemCreate`. What the cache cannot cover becomes one new chunk. Stitching trades
 //! driver calls for mappings: each mapping costs tens of µs to map and set access, so the
-//! planner takes the largest chunks first and creates at most one new chunk per request.
+//! planner takes the largest chunks first, grants access to a stitched run with one
+//! `cuMemSetAccess`, and creates at most one new chunk per request. While the device has room,
+//! a request maps at most one cached chunk per 64 MiB it asks for and creates the rest (mapping
+//! thousands of small chunks costs more than new memory); when the new memory does not fit, it
+//! stitches as many as it needs.
 //!
 //! When `cuMemCreate` runs out of memory, the pool **drains** (releases) the cached chunks the
 //! request does not use and retries once; if that fails too the error is

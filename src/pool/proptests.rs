@@ -17,6 +17,7 @@ enum Op {
         granules: usize,
         stitching: bool,
         spare: usize,
+        cap: Option<usize>,
     },
     Free {
         pick: usize,
@@ -31,8 +32,8 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        5 => (0u32..3, 1usize..24, any::<bool>(), 0usize..8)
-            .prop_map(|(tenant, granules, stitching, spare)| Op::Alloc { tenant, granules, stitching, spare }),
+        5 => (0u32..3, 1usize..24, any::<bool>(), 0usize..8, prop::option::of(1usize..6))
+            .prop_map(|(tenant, granules, stitching, spare, cap)| Op::Alloc { tenant, granules, stitching, spare, cap }),
         4 => any::<usize>().prop_map(|pick| Op::Free { pick }),
         1 => (0usize..4).prop_map(|keep| Op::Drain { keep }),
         1 => (0u32..3).prop_map(|tenant| Op::Churn { tenant }),
@@ -49,12 +50,29 @@ fn apply(book: &mut ChunkBook, live: &mut Live, op: &Op) -> Result<(), TestCaseE
             granules,
             stitching,
             spare,
+            cap,
         } => {
             let tenant = TenantId(tenant);
             let asked = granules * G;
             let room = asked + spare * G;
             let cached_before: Vec<ChunkId> = book.cached_chunks().map(|(id, _)| id).collect();
-            let Ok(plan) = book.plan(tenant, asked, stitching, room) else {
+            let uncapped = book.plan(tenant, asked, stitching, room, None);
+            let planned = book.plan(tenant, asked, stitching, room, cap);
+            prop_assert_eq!(
+                uncapped.is_ok(),
+                planned.is_ok(),
+                "a cap never changes whether a request fits"
+            );
+            if let (Some(cap), Ok(full), Ok(plan)) = (cap, &uncapped, &planned) {
+                prop_assert!(
+                    plan.reuse.len() <= cap + 1,
+                    "the cap, plus a covering chunk"
+                );
+                if full.reuse.len() <= cap {
+                    prop_assert_eq!(plan, full, "a cap the plan does not reach changes nothing");
+                }
+            }
+            let Ok(plan) = planned else {
                 // Refused: it must really not fit, even with the whole cache released.
                 let limit_hit = book
                     .limit_of(tenant)
@@ -313,7 +331,7 @@ mod against_a_fake_driver {
             4 => any::<usize>().prop_map(|pick| Op::Free { pick }),
             2 => (any::<usize>(), any::<usize>()).prop_map(|(pick, donor)| Op::Graft { pick, donor }),
             1 => Just(Op::Drain),
-            2 => (0u8..4, 0usize..3).prop_map(|(call, skip)| Op::Fail { call, skip }),
+            2 => (0u8..5, 0usize..3).prop_map(|(call, skip)| Op::Fail { call, skip }),
         ]
     }
 
@@ -414,7 +432,7 @@ mod against_a_fake_driver {
                 let failing = matches!(op, Op::Fail { .. });
                 let outcome = match *op {
                     Op::Fail { call, skip } => {
-                        let call = [Call::Reserve, Call::Create, Call::Map, Call::Wait][call as usize];
+                        let call = [Call::Reserve, Call::Create, Call::Map, Call::Access, Call::Wait][call as usize];
                         fake.fail(call, skip);
                         injected += 1;
                         Ok(())

@@ -21,7 +21,8 @@ use bitvec::vec::BitVec;
 use cudarc::driver::{sys, CudaContext, CudaStream, DeviceRepr};
 
 use crate::dataset::{Binder, Dataset};
-use crate::driver::vmm::{self, Mapping, Physical, Reservation};
+use crate::driver::device;
+use crate::driver::vmm::{self, Location, Mapping, Physical, Reservation};
 use crate::error::{Error, Result};
 use crate::fence::{Fence, FencePolicy};
 use crate::ids::next_id;
@@ -47,6 +48,9 @@ pub struct SpaceOptions {
     /// The model `BindStrategy::Auto` decides with; `None` calibrates on the device (once per
     /// process and device).
     pub cost_model: Option<CostModel>,
+    /// Other devices whose kernels may read and write the space (peer access). Every mapping of
+    /// the space grants access to the space's device and to these, after every bind too.
+    pub peers: Vec<usize>,
 }
 
 impl SpaceOptions {
@@ -77,6 +81,14 @@ impl SpaceOptions {
     /// The model `BindStrategy::Auto` decides with (skips calibration).
     pub fn cost_model(mut self, model: CostModel) -> Self {
         self.cost_model = Some(model);
+        self
+    }
+
+    /// Lets kernels on the devices `peers` read and write the space at the same addresses.
+    /// [`Space::with_options`] checks `cuDeviceCanAccessPeer` for each and returns
+    /// [`Error::PeerAccess`] when a pair cannot.
+    pub fn peers(mut self, peers: impl IntoIterator<Item = usize>) -> Self {
+        self.peers = peers.into_iter().collect();
         self
     }
 }
@@ -137,10 +149,10 @@ impl Space {
         layout: Layout,
         options: SpaceOptions,
     ) -> Result<Self> {
+        let access = access_list(ctx.ordinal(), &options.peers)?;
         let granularity = vmm::granularity(ctx, false)?;
         let placement = layout.place(granularity)?;
         let reservation = Arc::new(Reservation::new(ctx, placement.total_bytes, granularity)?);
-        let access = vec![ctx.ordinal()];
         let scratch = match &placement.scratch {
             Some(region) => Some(map_own(ctx, &reservation, region, &access)?),
             None => None,
@@ -255,10 +267,29 @@ impl Space {
         self.shared.id
     }
 
-    /// Makes a dataset for group `group`: fresh physical memory laid out like the group's slots
-    /// (contents undefined until written).
+    /// Makes a dataset for group `group`: fresh physical memory on the space's device, laid out
+    /// like the group's slots (contents undefined until written).
     pub fn new_dataset(&self, group: &str) -> Result<Dataset> {
+        self.new_dataset_at(group, Location::Device(self.shared.ctx.ordinal()))
+    }
+
+    /// [`Space::new_dataset`] with the memory at `at`: a peer GPU (over NVLink or PCIe) or pinned
+    /// host memory. Bound, the slots read and write it in place, with no copy; replays pay the
+    /// slower link. Every device the space grants access to must be able to reach `at`
+    /// ([`Error::PeerAccess`] otherwise).
+    pub fn new_dataset_at(&self, group: &str, at: Location) -> Result<Dataset> {
         let index = self.shared.placement.group_index(group)?;
+        if let Location::Device(owner) = at {
+            require_device(owner)?;
+            for &device in &self.shared.access {
+                if !device::can_access_peer(device, owner)? {
+                    return Err(Error::PeerAccess {
+                        from: device,
+                        to: owner,
+                    });
+                }
+            }
+        }
         Dataset::new(
             &self.shared.ctx,
             &self.shared.layout,
@@ -266,7 +297,13 @@ impl Space {
             index,
             &self.shared.access,
             self.shared.shareable,
+            at,
         )
+    }
+
+    /// The devices whose kernels may use the space: its own, then its peers.
+    pub fn devices(&self) -> &[usize] {
+        &self.shared.access
     }
 
     /// Puts `dataset`'s data under its group's slots, replacing what was there, and returns
@@ -494,6 +531,34 @@ impl Drop for SpaceShared {
         state.backings.clear(); // unmaps, before the reservation goes
         state.scratch = None;
     }
+}
+
+/// `own` then each of `peers` (deduplicated), after checking every peer exists and can reach
+/// memory on `own` and the other way round (datasets may live on either).
+fn access_list(own: usize, peers: &[usize]) -> Result<Vec<usize>> {
+    let mut access = vec![own];
+    for &peer in peers {
+        if access.contains(&peer) {
+            continue;
+        }
+        require_device(peer)?;
+        for (from, to) in [(peer, own), (own, peer)] {
+            if !device::can_access_peer(from, to)? {
+                return Err(Error::PeerAccess { from, to });
+            }
+        }
+        access.push(peer);
+    }
+    Ok(access)
+}
+
+/// `Err(NoSuchDevice)` unless device `ordinal` exists.
+fn require_device(ordinal: usize) -> Result<()> {
+    let count = device::device_count()?;
+    if ordinal >= count {
+        return Err(Error::NoSuchDevice { ordinal, count });
+    }
+    Ok(())
 }
 
 /// New memory of `region`'s size mapped at its place in the reservation (scratch, copy-in).

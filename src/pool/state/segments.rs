@@ -8,34 +8,40 @@ use crate::pool::book::{ChunkId, TenantId};
 use crate::pool::events::{BlockId, EventKind};
 
 impl<B: Backend> State<B> {
-    /// Maps `chunks` side by side into `block` from `offset` bytes on. Commits nothing: on
-    /// failure the mappings made so far are dropped (nothing used them) and the error returned.
+    /// Maps `chunks` side by side into `block` from `offset` bytes on, with one set-access for
+    /// the whole run. Commits nothing: on failure nothing stays mapped and the error is returned.
     fn map_run(
         &self,
         tenant: TenantId,
         block: BlockId,
-        mut offset: usize,
+        offset: usize,
         chunks: &[ChunkId],
     ) -> Result<Vec<Segment<B>>> {
+        if chunks.is_empty() {
+            return Ok(Vec::new());
+        }
         let granularity = self.book.granularity();
         let state = self.tenants.get(&tenant).expect("checked by the caller");
         let block_state = state.blocks.get(&block).expect("checked by the caller");
         let block_offset = block_state.first_granule * granularity;
-        let mut made: Vec<Segment<B>> = Vec::with_capacity(chunks.len());
-        for &chunk in chunks {
-            let memory = self.memory[&chunk].clone();
-            let bytes = self.book.bytes_of(chunk).expect("a live chunk");
-            let mapping =
-                self.backend
-                    .map(&state.reservation, block_offset + offset, &memory, bytes)?;
-            made.push(Segment {
-                chunk,
-                offset,
-                mapping,
-            });
-            offset += bytes;
-        }
-        Ok(made)
+        let memory: Vec<_> = chunks.iter().map(|id| self.memory[id].clone()).collect();
+        let mappings = self
+            .backend
+            .map_run(&state.reservation, block_offset + offset, &memory)?;
+        let mut at = offset;
+        Ok(chunks
+            .iter()
+            .zip(mappings)
+            .map(|(&chunk, mapping)| {
+                let segment: Segment<B> = Segment {
+                    chunk,
+                    offset: at,
+                    mapping,
+                };
+                at += segment.mapping.bytes();
+                segment
+            })
+            .collect())
     }
 
     /// Adds mapped segments to `block` (keeping them in offset order) and logs them.

@@ -1,0 +1,189 @@
+#!/usr/bin/env bash
+# Runs every GPU demo of the preload layer and prints what it found.
+#
+#   preload/demo/run-gpu.sh <path-to-libstablebuf_preload.so> [<wheel-dir>]
+#
+# <wheel-dir> holds torch_memory_saver-0.0.10-*.whl for the side-by-side comparison (installed
+# into /tmp/site); without it that comparison is skipped. Logs, timelines (SVG) and JSON go to
+# $OUT if set, else to a fresh directory under /tmp. Needs nvcc (CUDA 13), a GPU, and a Python
+# with PyTorch ($PYTHON, default /opt/torch/.venv/bin/python, else python3). No Rust, no network.
+#
+# Steps (each with a time limit; a failure prints the log's tail):
+#   build         seed_scenarios.cu with nvcc -cudart shared (a statically linked runtime cannot
+#                 be hooked by LD_PRELOAD)
+#   seed-*        resize and fragmentation: without the layer, monitor, vmm, vmm + copy elision,
+#                 and the fragmentation request in vmm without stitching or drain; one table
+#   catch-*       every allocation path the layer claims to catch, and its error paths
+#   torch-*       CUDA graph + pause/resume of the weights' tag; training with and without it
+#   tms-compare   pause/resume against torch_memory_saver
+# Ends with "preload GPU demos: N passed, M failed"; exit status 1 if any step failed.
+
+set -u -o pipefail
+
+if [ $# -lt 1 ] || [ ! -f "$1" ]; then
+    echo "usage: $0 <path-to-libstablebuf_preload.so> [<wheel-dir>]" >&2
+    exit 2
+fi
+LIB=$(readlink -f "$1")
+WHEELS=${2:-}
+DEMO=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+INCLUDE=$(cd "$DEMO/../include" && pwd)
+OUTDIR=${OUT:-$(mktemp -d /tmp/stablebuf-preload.XXXXXX)}
+mkdir -p "$OUTDIR"
+OUTDIR=$(cd "$OUTDIR" && pwd)
+CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+NVCC=$(command -v nvcc || echo "$CUDA_HOME/bin/nvcc")
+if [ -n "${PYTHON:-}" ]; then
+    PY=$PYTHON
+elif [ -x /opt/torch/.venv/bin/python ]; then
+    PY=/opt/torch/.venv/bin/python
+else
+    PY=python3
+fi
+SEED="$OUTDIR/seed_scenarios"
+# The demo binary finds libcudart.so.13 in the toolkit (it is built with -cudart shared).
+SEED_LIBS="$CUDA_HOME/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+PASSED=0
+FAILED=0
+FAILED_STEPS=""
+STARTED=$(date +%s)
+
+echo "stablebuf-preload GPU demos"
+echo "  library: $LIB ($(stat -c %s "$LIB") bytes)"
+echo "  output:  $OUTDIR"
+echo "  nvcc:    $NVCC"
+echo "  python:  $PY"
+nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader 2>/dev/null \
+    | sed 's/^/  gpu:     /'
+
+# step NAME TIMEOUT COMMAND...: runs COMMAND with its output in $OUTDIR/NAME.log.
+step() {
+    local name=$1 limit=$2
+    shift 2
+    local log="$OUTDIR/$name.log"
+    local t0 t1 rc
+    echo "=== $name"
+    t0=$(date +%s.%N)
+    if declare -F "$1" >/dev/null; then
+        # A shell function: run it in a child bash (exported below) so timeout can kill it.
+        timeout "$limit" bash -c "$1" >"$log" 2>&1
+    else
+        timeout "$limit" "$@" >"$log" 2>&1
+    fi
+    rc=$?
+    t1=$(date +%s.%N)
+    local seconds
+    seconds=$(awk "BEGIN { printf \"%.1f\", $t1 - $t0 }")
+    if [ $rc -eq 0 ]; then
+        PASSED=$((PASSED + 1))
+        echo "    ok (${seconds} s)"
+        grep -E "^(RESULT|TARGET|FAILED|CHECK .*FAILED|stablebuf-preload (vmm|monitor):)" "$log" | cut -c1-400 | sed 's/^/    /'
+    else
+        FAILED=$((FAILED + 1))
+        FAILED_STEPS="$FAILED_STEPS $name"
+        if [ $rc -eq 124 ]; then
+            echo "    FAILED: timed out after $limit s"
+        else
+            echo "    FAILED: exit status $rc after ${seconds} s"
+        fi
+        echo "    last lines of $log:"
+        tail -n 40 "$log" | cut -c1-400 | sed 's/^/    | /'
+    fi
+    return $rc
+}
+
+# ---- build --------------------------------------------------------------------------------
+build() {
+    local common=(-O2 -std=c++17 -cudart shared -arch=sm_90 -I"$INCLUDE" "$DEMO/seed_scenarios.cu" -o "$SEED" -ldl)
+    "$NVCC" "${common[@]}" -lcuda ||
+        "$NVCC" "${common[@]}" -L"$CUDA_HOME/lib64/stubs" -lcuda || return 1
+    echo "linked runtime (must be the shared libcudart):"
+    LD_LIBRARY_PATH="$SEED_LIBS" ldd "$SEED" | grep -E "libcudart|libcuda\." || true
+    LD_LIBRARY_PATH="$SEED_LIBS" ldd "$SEED" | grep -q libcudart
+}
+SITE=/tmp/site
+export LIB WHEELS DEMO INCLUDE OUTDIR CUDA_HOME NVCC PY SEED SEED_LIBS SITE
+export -f build
+if step build 180 build; then
+    BUILT=1
+else
+    BUILT=0
+fi
+
+# `env` runs the command; the layer is preloaded into that command only.
+seed=(env LD_LIBRARY_PATH="$SEED_LIBS")
+layer=(env LD_LIBRARY_PATH="$SEED_LIBS" LD_PRELOAD="$LIB")
+
+# ---- seed scenarios -----------------------------------------------------------------------
+if [ $BUILT -eq 1 ]; then
+    step seed-none 120 "${seed[@]}" "$SEED" all
+    step seed-monitor 120 "${layer[@]}" STABLEBUF_PRELOAD_MODE=monitor \
+        STABLEBUF_PRELOAD_TIMELINE="$OUTDIR/seed-monitor.svg" "$SEED" all
+    step seed-vmm 120 "${layer[@]}" STABLEBUF_PRELOAD_MODE=vmm \
+        STABLEBUF_PRELOAD_TIMELINE="$OUTDIR/seed-vmm.svg" "$SEED" all
+    step seed-vmm-elision 120 "${layer[@]}" STABLEBUF_PRELOAD_MODE=vmm STABLEBUF_PRELOAD_ELIDE_COPIES=1 \
+        STABLEBUF_PRELOAD_TIMELINE="$OUTDIR/seed-vmm-elision.svg" "$SEED" all
+    step seed-vmm-no-stitching 120 "${layer[@]}" STABLEBUF_PRELOAD_MODE=vmm STABLEBUF_PRELOAD_STITCHING=0 \
+        STABLEBUF_PRELOAD_DRAIN_ON_OOM=0 "$SEED" frag
+    step seed-report 30 python3 "$DEMO/seed_report.py" \
+        none="$OUTDIR/seed-none.log" monitor="$OUTDIR/seed-monitor.log" \
+        vmm="$OUTDIR/seed-vmm.log" vmm+elision="$OUTDIR/seed-vmm-elision.log" \
+        vmm-no-stitching="$OUTDIR/seed-vmm-no-stitching.log"
+
+    step catch-none 60 "${seed[@]}" "$SEED" catch
+    step catch-monitor 60 "${layer[@]}" STABLEBUF_PRELOAD_MODE=monitor "$SEED" catch
+    step catch-vmm 60 "${layer[@]}" STABLEBUF_PRELOAD_MODE=vmm "$SEED" catch
+    step catch-vmm-elision 60 "${layer[@]}" STABLEBUF_PRELOAD_MODE=vmm STABLEBUF_PRELOAD_ELIDE_COPIES=1 "$SEED" catch
+fi
+
+# ---- PyTorch ------------------------------------------------------------------------------
+step torch-graph-pause 180 env LD_PRELOAD="$LIB" STABLEBUF_PRELOAD_MODE=vmm \
+    STABLEBUF_PRELOAD_TIMELINE="$OUTDIR/torch-graph-pause.svg" "$PY" "$DEMO/torch_graph_pause.py"
+step torch-train-plain 180 env CUBLAS_WORKSPACE_CONFIG=:4096:8 \
+    "$PY" "$DEMO/torch_train.py" --out "$OUTDIR/train-plain.json"
+step torch-train-vmm 180 env CUBLAS_WORKSPACE_CONFIG=:4096:8 LD_PRELOAD="$LIB" STABLEBUF_PRELOAD_MODE=vmm \
+    "$PY" "$DEMO/torch_train.py" --out "$OUTDIR/train-vmm.json"
+step torch-train-compare 60 "$PY" "$DEMO/torch_train.py" \
+    --compare "$OUTDIR/train-plain.json" "$OUTDIR/train-vmm.json"
+
+# ---- torch_memory_saver -------------------------------------------------------------------
+install_tms() {
+    local wheel
+    wheel=$(ls "$WHEELS"/torch_memory_saver-*.whl 2>/dev/null | head -n 1)
+    if [ -z "$wheel" ]; then
+        echo "no torch_memory_saver-*.whl in $WHEELS"
+        return 1
+    fi
+    mkdir -p "$SITE"
+    "$PY" -m pip install --no-index --no-deps --target "$SITE" "$wheel" ||
+        "$PY" -m zipfile -e "$wheel" "$SITE"
+    ls "$SITE" | grep -E "torch_memory_saver"
+}
+export -f install_tms
+if [ -n "$WHEELS" ]; then
+    if step tms-install 120 install_tms; then
+        step tms-compare 400 "$PY" "$DEMO/tms_compare.py" --lib "$LIB" --tms-site "$SITE" --out "$OUTDIR"
+    fi
+elif ls "$SITE"/torch_memory_saver_hook_mode_preload*.so >/dev/null 2>&1; then
+    step tms-compare 400 "$PY" "$DEMO/tms_compare.py" --lib "$LIB" --tms-site "$SITE" --out "$OUTDIR"
+else
+    echo "=== tms-compare: skipped (no <wheel-dir> given and nothing installed in $SITE)"
+fi
+
+# ---- summary ------------------------------------------------------------------------------
+echo
+echo "==================== summary ===================="
+for report in seed-report tms-compare; do
+    if [ -f "$OUTDIR/$report.log" ]; then
+        echo "--- $report"
+        grep -vE "^(---|    exit)" "$OUTDIR/$report.log" | grep -E "^\||TARGET|FAILED|GiB" | cut -c1-300
+    fi
+done
+for log in catch-none catch-monitor catch-vmm catch-vmm-elision torch-graph-pause torch-train-compare; do
+    [ -f "$OUTDIR/$log.log" ] && grep -hE "^RESULT" "$OUTDIR/$log.log" | cut -c1-300 | sed "s/^/$log: /"
+done
+echo "timelines: $(ls "$OUTDIR"/*.svg 2>/dev/null | tr '\n' ' ')"
+echo "logs in $OUTDIR; total $(($(date +%s) - STARTED)) s"
+[ -n "$FAILED_STEPS" ] && echo "failed steps:$FAILED_STEPS"
+echo "preload GPU demos: $PASSED passed, $FAILED failed"
+[ $FAILED -eq 0 ]

@@ -1,0 +1,894 @@
+//! The exported C ABI: the hooked CUDA functions and the `stablebuf_*` functions of
+//! `include/stablebuf_preload.h`. With `real.rs`, the only `unsafe` of the crate.
+//!
+//! Every exported function catches panics and answers with an error code: a failure inside
+//! the layer never unwinds into, or aborts, the host program. Every hook passes straight
+//! through when the layer is off, in a child after `fork`, or when it is called from inside
+//! the layer itself (a thread-local guard). Names exported must be listed in `symbols.rs`
+//! (the linker's version script hides everything else; a test checks both ways).
+
+#![allow(non_snake_case)]
+#![allow(clippy::missing_safety_doc)]
+
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::OnceLock;
+
+use crate::codes::{abi, cu, cuda, Fail};
+use crate::engine::{Copied, CopyCall, Freed};
+use crate::entry;
+use crate::layer::{self, Api, Inside, Route};
+use crate::real::{self, DevicePtr, Dim3, Event, Stream};
+use crate::stats::{bytes_to_write, Counters, StablebufStats};
+use crate::tags;
+
+// ---- helpers ----------------------------------------------------------------------------
+
+/// Runs a hook body, turning a panic into `on_panic` (and a log line).
+fn guarded(call: &'static str, on_panic: c_int, body: impl FnOnce() -> c_int) -> c_int {
+    match catch_unwind(AssertUnwindSafe(body)) {
+        Ok(code) => code,
+        Err(_) => {
+            layer::notice_once(
+                "panic",
+                &format!(
+                    "stablebuf-preload: internal error in {call} (caught; returning {on_panic})"
+                ),
+            );
+            on_panic
+        }
+    }
+}
+
+fn missing(api: Api, name: &'static str) -> c_int {
+    tracing::warn!(function = name, "the real function was not found");
+    match api {
+        Api::Runtime => cuda::SHARED_OBJECT_SYMBOL_NOT_FOUND,
+        Api::Driver => cu::SHARED_OBJECT_SYMBOL_NOT_FOUND,
+    }
+}
+
+/// The real runtime function `$name`, or return the "not found" code from the hook.
+macro_rules! real_runtime {
+    ($name:ident) => {
+        match real::runtime().and_then(|table| table.$name) {
+            Some(function) => function,
+            None => return missing(Api::Runtime, stringify!($name)),
+        }
+    };
+}
+
+macro_rules! real_driver {
+    ($name:ident) => {
+        match real::driver().and_then(|table| table.$name) {
+            Some(function) => function,
+            None => return missing(Api::Driver, stringify!($name)),
+        }
+    };
+}
+
+/// Performs deferred copies before a call that may touch any memory (copy elision only).
+fn flush_point(call: &'static str) {
+    if !layer::eliding() {
+        return;
+    }
+    let Some(_inside) = Inside::enter() else {
+        return;
+    };
+    if let Route::Vmm(layer, _) = layer::route() {
+        layer.flush_point(call);
+    }
+}
+
+// ---- runtime: memory --------------------------------------------------------------------
+
+/// `cudaMalloc`: vmm serves it from the pool (or this thread's tag's region); monitor logs it.
+#[no_mangle]
+pub unsafe extern "C" fn cudaMalloc(ptr: *mut *mut c_void, size: usize) -> c_int {
+    guarded("cudaMalloc", cuda::UNKNOWN, || {
+        runtime_alloc(
+            "cudaMalloc",
+            ptr,
+            size,
+            |p, s| {
+                let real = real_runtime!(cudaMalloc);
+                // SAFETY: the caller's arguments, passed on unchanged.
+                unsafe { real(p, s) }
+            },
+            None,
+        )
+    })
+}
+
+/// `cudaMallocAsync`: as `cudaMalloc` (the pool's memory is ready at once), except on a
+/// capturing stream, where the runtime makes a graph memory node: passed through.
+#[no_mangle]
+pub unsafe extern "C" fn cudaMallocAsync(
+    ptr: *mut *mut c_void,
+    size: usize,
+    stream: Stream,
+) -> c_int {
+    guarded("cudaMallocAsync", cuda::UNKNOWN, || {
+        runtime_alloc(
+            "cudaMallocAsync",
+            ptr,
+            size,
+            |p, s| {
+                let real = real_runtime!(cudaMallocAsync);
+                // SAFETY: the caller's arguments, passed on unchanged.
+                unsafe { real(p, s, stream) }
+            },
+            Some(stream as u64),
+        )
+    })
+}
+
+fn runtime_alloc(
+    call: &'static str,
+    ptr: *mut *mut c_void,
+    size: usize,
+    real: impl FnOnce(*mut *mut c_void, usize) -> c_int,
+    stream: Option<u64>,
+) -> c_int {
+    let Some(_inside) = Inside::enter() else {
+        return real(ptr, size);
+    };
+    match layer::route() {
+        Route::Pass => real(ptr, size),
+        Route::Monitor(layer) => {
+            let code = real(ptr, size);
+            if code == cuda::SUCCESS && !ptr.is_null() {
+                // SAFETY: the runtime just wrote the pointer through `ptr`.
+                let address = unsafe { *ptr } as u64;
+                layer.monitor_alloc(Api::Runtime, call, address, size);
+            }
+            code
+        }
+        Route::Vmm(layer, engine) => {
+            if ptr.is_null() {
+                return cuda::INVALID_VALUE;
+            }
+            if stream.is_some_and(real::stream_is_capturing) {
+                return real(ptr, size);
+            }
+            match layer.vmm_alloc(engine, Api::Runtime, call, size) {
+                Ok(address) => {
+                    // SAFETY: `ptr` is the caller's non-NULL out-pointer.
+                    unsafe { *ptr = address as *mut c_void };
+                    cuda::SUCCESS
+                }
+                Err(fail) => fail.runtime_code(),
+            }
+        }
+    }
+}
+
+/// `cudaFree`: the layer's pointers are freed by the layer, all others by CUDA.
+#[no_mangle]
+pub unsafe extern "C" fn cudaFree(ptr: *mut c_void) -> c_int {
+    guarded("cudaFree", cuda::UNKNOWN, || {
+        runtime_free("cudaFree", ptr, None, || {
+            let real = real_runtime!(cudaFree);
+            // SAFETY: the caller's argument, passed on unchanged.
+            unsafe { real(ptr) }
+        })
+    })
+}
+
+/// `cudaFreeAsync`: as `cudaFree`; the layer's free waits for the device first, which orders
+/// it after the stream's work. Refused on a capturing stream for the layer's pointers.
+#[no_mangle]
+pub unsafe extern "C" fn cudaFreeAsync(ptr: *mut c_void, stream: Stream) -> c_int {
+    guarded("cudaFreeAsync", cuda::UNKNOWN, || {
+        runtime_free("cudaFreeAsync", ptr, Some(stream as u64), || {
+            let real = real_runtime!(cudaFreeAsync);
+            // SAFETY: the caller's arguments, passed on unchanged.
+            unsafe { real(ptr, stream) }
+        })
+    })
+}
+
+fn runtime_free(
+    call: &'static str,
+    ptr: *mut c_void,
+    stream: Option<u64>,
+    real: impl FnOnce() -> c_int,
+) -> c_int {
+    if ptr.is_null() {
+        return real();
+    }
+    let Some(_inside) = Inside::enter() else {
+        return real();
+    };
+    match layer::route() {
+        Route::Pass => real(),
+        Route::Monitor(layer) => {
+            let code = real();
+            if code == cuda::SUCCESS {
+                layer.monitor_free(call, ptr as u64);
+            }
+            code
+        }
+        Route::Vmm(layer, engine) => {
+            if let Some(stream) = stream {
+                if layer.owns(ptr as u64) && real::stream_is_capturing(stream) {
+                    tracing::warn!(
+                        call,
+                        address = ptr as u64,
+                        "the layer cannot free its memory inside a stream capture"
+                    );
+                    return cuda::STREAM_CAPTURE_UNSUPPORTED;
+                }
+            }
+            match layer.vmm_free(engine, call, ptr as u64) {
+                Ok(Freed::Done) => cuda::SUCCESS,
+                Ok(Freed::NotOwned) => real(),
+                Err(fail) => fail.runtime_code(),
+            }
+        }
+    }
+}
+
+/// `cudaMemGetInfo`: in vmm mode free memory counts what the pool holds cached (it is free
+/// for this program's allocations). Either output may be NULL.
+#[no_mangle]
+pub unsafe extern "C" fn cudaMemGetInfo(free: *mut usize, total: *mut usize) -> c_int {
+    guarded("cudaMemGetInfo", cuda::UNKNOWN, || {
+        let real = real_runtime!(cudaMemGetInfo);
+        memory_info(Api::Runtime, free, total, |f, t| {
+            // SAFETY: our own locals as out-pointers, or the caller's, passed on unchanged.
+            unsafe { real(f, t) }
+        })
+    })
+}
+
+fn memory_info(
+    api: Api,
+    free: *mut usize,
+    total: *mut usize,
+    real: impl Fn(*mut usize, *mut usize) -> c_int,
+) -> c_int {
+    let Some(_inside) = Inside::enter() else {
+        return real(free, total);
+    };
+    let layer = match layer::route() {
+        Route::Pass => return real(free, total),
+        Route::Monitor(layer) | Route::Vmm(layer, _) => layer,
+    };
+    let (mut f, mut t) = (0usize, 0usize);
+    let code = real(&mut f, &mut t);
+    if code != cuda::SUCCESS {
+        return code;
+    }
+    let f = layer.pool_view_of_free(f, api);
+    // SAFETY: each output is written only if the caller passed one.
+    unsafe {
+        if !free.is_null() {
+            *free = f;
+        }
+        if !total.is_null() {
+            *total = t;
+        }
+    }
+    cuda::SUCCESS
+}
+
+/// `cudaIpcGetMemHandle`: legacy IPC cannot export VMM memory; for the layer's pointers this
+/// is a clear error (and a line naming the variable that turns the layer off).
+#[no_mangle]
+pub unsafe extern "C" fn cudaIpcGetMemHandle(handle: *mut c_void, ptr: *mut c_void) -> c_int {
+    guarded("cudaIpcGetMemHandle", cuda::UNKNOWN, || {
+        let real = real_runtime!(cudaIpcGetMemHandle);
+        if let Some(_inside) = Inside::enter() {
+            if let Route::Vmm(layer, _) = layer::route() {
+                if layer.owns(ptr as u64) {
+                    Counters::bump(&layer.counters.ipc_refusals);
+                    layer::notice_once(
+                        "ipc",
+                        &format!(
+                            "stablebuf-preload: cudaIpcGetMemHandle({:#x}) refused with \
+                             cudaErrorInvalidValue: the pointer is VMM memory from the layer's \
+                             pool, which legacy CUDA IPC cannot export. Run this program with \
+                             STABLEBUF_PRELOAD_MODE=off (or without LD_PRELOAD) if it shares \
+                             memory through cudaIpc*.",
+                            ptr as u64
+                        ),
+                    );
+                    return cuda::INVALID_VALUE;
+                }
+            }
+        }
+        // SAFETY: the caller's arguments, passed on unchanged.
+        unsafe { real(handle, ptr) }
+    })
+}
+
+// ---- runtime: copies (copy elision) -----------------------------------------------------
+
+fn elided_copy(call: CopyCall, name: &'static str) -> bool {
+    if !layer::eliding() {
+        return false;
+    }
+    let Some(_inside) = Inside::enter() else {
+        return false;
+    };
+    let Route::Vmm(layer, engine) = layer::route() else {
+        return false;
+    };
+    match layer.copy(engine, call) {
+        Ok(Copied::Deferred) => true,
+        Ok(Copied::PassThrough) => false,
+        Err(fail) => {
+            tracing::error!(call = name, %fail, "performing deferred copies failed");
+            false
+        }
+    }
+}
+
+fn device_to_device(kind: c_int) -> bool {
+    kind == real::MEMCPY_DEVICE_TO_DEVICE || kind == real::MEMCPY_DEFAULT
+}
+
+/// `cudaMemcpy`: with copy elision, a deferrable device-to-device copy returns at once (as a
+/// device-to-device `cudaMemcpy` may); every other copy first performs deferred ones.
+#[no_mangle]
+pub unsafe extern "C" fn cudaMemcpy(
+    dst: *mut c_void,
+    src: *const c_void,
+    count: usize,
+    kind: c_int,
+) -> c_int {
+    guarded("cudaMemcpy", cuda::UNKNOWN, || {
+        let real = real_runtime!(cudaMemcpy);
+        let call = CopyCall {
+            dst: dst as u64,
+            src: src as u64,
+            bytes: count,
+            device_to_device: device_to_device(kind),
+            stream: 0,
+            sync: true,
+        };
+        if elided_copy(call, "cudaMemcpy") {
+            return cuda::SUCCESS;
+        }
+        // SAFETY: the caller's arguments, passed on unchanged.
+        unsafe { real(dst, src, count, kind) }
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cudaMemcpyAsync(
+    dst: *mut c_void,
+    src: *const c_void,
+    count: usize,
+    kind: c_int,
+    stream: Stream,
+) -> c_int {
+    guarded("cudaMemcpyAsync", cuda::UNKNOWN, || {
+        let real = real_runtime!(cudaMemcpyAsync);
+        let call = CopyCall {
+            dst: dst as u64,
+            src: src as u64,
+            bytes: count,
+            device_to_device: device_to_device(kind),
+            stream: stream as u64,
+            sync: false,
+        };
+        if elided_copy(call, "cudaMemcpyAsync") {
+            return cuda::SUCCESS;
+        }
+        // SAFETY: the caller's arguments, passed on unchanged.
+        unsafe { real(dst, src, count, kind, stream) }
+    })
+}
+
+// ---- runtime: entry points --------------------------------------------------------------
+
+#[no_mangle]
+pub unsafe extern "C" fn cudaGetDriverEntryPoint(
+    symbol: *const c_char,
+    func: *mut *mut c_void,
+    flags: u64,
+    status: *mut c_int,
+) -> c_int {
+    guarded("cudaGetDriverEntryPoint", cuda::UNKNOWN, || {
+        let real = real_runtime!(cudaGetDriverEntryPoint);
+        // A lookup made from inside the layer, or by CUDA inside an outer lookup, passes
+        // through untouched: the outermost one substitutes.
+        let inside = Inside::enter();
+        // SAFETY: the caller's arguments, passed on unchanged.
+        let code = unsafe { real(symbol, func, flags, status) };
+        if code == cuda::SUCCESS && inside.is_some() {
+            // SAFETY: checked for NULL inside; `symbol` is the caller's C string.
+            unsafe { substitute_entry(symbol, func, i32::MAX, flags) };
+        }
+        code
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cudaGetDriverEntryPointByVersion(
+    symbol: *const c_char,
+    func: *mut *mut c_void,
+    version: c_uint,
+    flags: u64,
+    status: *mut c_int,
+) -> c_int {
+    guarded("cudaGetDriverEntryPointByVersion", cuda::UNKNOWN, || {
+        let real = real_runtime!(cudaGetDriverEntryPointByVersion);
+        // A lookup made from inside the layer, or by CUDA inside an outer lookup, passes
+        // through untouched: the outermost one substitutes.
+        let inside = Inside::enter();
+        // SAFETY: the caller's arguments, passed on unchanged.
+        let code = unsafe { real(symbol, func, version, flags, status) };
+        if code == cuda::SUCCESS && inside.is_some() {
+            let version = i32::try_from(version).unwrap_or(i32::MAX);
+            // SAFETY: checked for NULL inside; `symbol` is the caller's C string.
+            unsafe { substitute_entry(symbol, func, version, flags) };
+        }
+        code
+    })
+}
+
+/// After a successful lookup: if it resolved to a function the layer hooks, hand out the hook.
+unsafe fn substitute_entry(
+    symbol: *const c_char,
+    func: *mut *mut c_void,
+    version: i32,
+    flags: u64,
+) {
+    if symbol.is_null() || func.is_null() {
+        return;
+    }
+    // SAFETY: `func` is the caller's out-pointer that the real lookup just wrote.
+    let found = unsafe { *func };
+    if found.is_null() {
+        return;
+    }
+    let layer = match layer::route() {
+        Route::Pass => return,
+        Route::Monitor(layer) | Route::Vmm(layer, _) => layer,
+    };
+    // SAFETY: the caller's NUL-terminated symbol name.
+    let Ok(name) = unsafe { CStr::from_ptr(symbol) }.to_str() else {
+        return;
+    };
+    let lookup = entry::Lookup {
+        symbol: name,
+        version,
+        flags,
+        returned: real::driver_function_named(found as usize),
+    };
+    if let Some(hook) = entry::substitute(&lookup, layer::eliding()).and_then(driver_hook) {
+        if hook == found {
+            return; // already the hook (a nested lookup handed it out)
+        }
+        // SAFETY: as above; the hook has the prototype of the function it replaces.
+        unsafe { *func = hook };
+        Counters::bump(&layer.counters.entry_points);
+        tracing::debug!(
+            symbol = name,
+            version,
+            flags,
+            "entry point: handing out the layer's hook"
+        );
+    }
+}
+
+// ---- driver: memory ---------------------------------------------------------------------
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut DevicePtr, bytesize: usize) -> c_int {
+    guarded("cuMemAlloc_v2", cu::UNKNOWN, || {
+        let real = || {
+            let real = real_driver!(cuMemAlloc_v2);
+            // SAFETY: the caller's arguments, passed on unchanged.
+            unsafe { real(dptr, bytesize) }
+        };
+        let Some(_inside) = Inside::enter() else {
+            return real();
+        };
+        match layer::route() {
+            Route::Pass => real(),
+            Route::Monitor(layer) => {
+                let code = real();
+                if code == cu::SUCCESS && !dptr.is_null() {
+                    // SAFETY: the driver just wrote the address through `dptr`.
+                    let address = unsafe { *dptr };
+                    layer.monitor_alloc(Api::Driver, "cuMemAlloc_v2", address, bytesize);
+                }
+                code
+            }
+            Route::Vmm(layer, engine) => {
+                if dptr.is_null() || bytesize == 0 {
+                    return cu::INVALID_VALUE; // as the driver says
+                }
+                match layer.vmm_alloc(engine, Api::Driver, "cuMemAlloc_v2", bytesize) {
+                    Ok(address) => {
+                        // SAFETY: the caller's non-NULL out-pointer.
+                        unsafe { *dptr = address };
+                        cu::SUCCESS
+                    }
+                    Err(fail) => fail.driver_code(),
+                }
+            }
+        }
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemFree_v2(dptr: DevicePtr) -> c_int {
+    guarded("cuMemFree_v2", cu::UNKNOWN, || {
+        let real = || {
+            let real = real_driver!(cuMemFree_v2);
+            // SAFETY: the caller's argument, passed on unchanged.
+            unsafe { real(dptr) }
+        };
+        if dptr == 0 {
+            return real();
+        }
+        let Some(_inside) = Inside::enter() else {
+            return real();
+        };
+        match layer::route() {
+            Route::Pass => real(),
+            Route::Monitor(layer) => {
+                let code = real();
+                if code == cu::SUCCESS {
+                    layer.monitor_free("cuMemFree_v2", dptr);
+                }
+                code
+            }
+            Route::Vmm(layer, engine) => match layer.vmm_free(engine, "cuMemFree_v2", dptr) {
+                Ok(Freed::Done) => cu::SUCCESS,
+                Ok(Freed::NotOwned) => real(),
+                Err(fail) => fail.driver_code(),
+            },
+        }
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) -> c_int {
+    guarded("cuMemGetInfo_v2", cu::UNKNOWN, || {
+        let real = real_driver!(cuMemGetInfo_v2);
+        memory_info(Api::Driver, free, total, |f, t| {
+            // SAFETY: our own locals as out-pointers, or the caller's, passed on unchanged.
+            unsafe { real(f, t) }
+        })
+    })
+}
+
+/// The legacy (CUDA 11.3–11.8) lookup.
+#[no_mangle]
+pub unsafe extern "C" fn cuGetProcAddress(
+    symbol: *const c_char,
+    pfn: *mut *mut c_void,
+    version: c_int,
+    flags: u64,
+) -> c_int {
+    guarded("cuGetProcAddress", cu::UNKNOWN, || {
+        let real = real_driver!(cuGetProcAddress);
+        // A lookup made from inside the layer, or by CUDA inside an outer lookup, passes
+        // through untouched: the outermost one substitutes.
+        let inside = Inside::enter();
+        // SAFETY: the caller's arguments, passed on unchanged.
+        let code = unsafe { real(symbol, pfn, version, flags) };
+        if code == cu::SUCCESS && inside.is_some() {
+            // SAFETY: checked for NULL inside.
+            unsafe { substitute_entry(symbol, pfn, version, flags) };
+        }
+        code
+    })
+}
+
+/// The lookup of CUDA ≥ 12 (`cuGetProcAddress` in `cuda.h` is a macro for this one).
+#[no_mangle]
+pub unsafe extern "C" fn cuGetProcAddress_v2(
+    symbol: *const c_char,
+    pfn: *mut *mut c_void,
+    version: c_int,
+    flags: u64,
+    status: *mut c_int,
+) -> c_int {
+    guarded("cuGetProcAddress_v2", cu::UNKNOWN, || {
+        let real = real_driver!(cuGetProcAddress_v2);
+        // A lookup made from inside the layer, or by CUDA inside an outer lookup, passes
+        // through untouched: the outermost one substitutes.
+        let inside = Inside::enter();
+        // SAFETY: the caller's arguments, passed on unchanged.
+        let code = unsafe { real(symbol, pfn, version, flags, status) };
+        if code == cu::SUCCESS && inside.is_some() {
+            // SAFETY: checked for NULL inside.
+            unsafe { substitute_entry(symbol, pfn, version, flags) };
+        }
+        code
+    })
+}
+
+// ---- flush points -----------------------------------------------------------------------
+
+/// Hooks that perform deferred copies (copy elision), then call the real function with the
+/// caller's arguments unchanged.
+macro_rules! flush_hooks {
+    ($( $lib:ident fn $name:ident($($arg:ident: $ty:ty),* $(,)?); )*) => {$(
+        #[no_mangle]
+        pub unsafe extern "C" fn $name($($arg: $ty),*) -> c_int {
+            guarded(stringify!($name), flush_hooks!(@unknown $lib), || {
+                let real = flush_hooks!(@real $lib $name);
+                flush_point(stringify!($name));
+                // SAFETY: the caller's arguments, passed unchanged to the real function of
+                // the same prototype.
+                unsafe { real($($arg),*) }
+            })
+        }
+    )*};
+    (@unknown runtime) => { cuda::UNKNOWN };
+    (@unknown driver) => { cu::UNKNOWN };
+    (@real runtime $name:ident) => { real_runtime!($name) };
+    (@real driver $name:ident) => { real_driver!($name) };
+}
+
+flush_hooks! {
+    runtime fn cudaLaunchKernel(func: *const c_void, grid: Dim3, block: Dim3, args: *mut *mut c_void, shared: usize, stream: Stream);
+    runtime fn cudaLaunchKernelExC(config: *const c_void, func: *const c_void, args: *mut *mut c_void);
+    runtime fn cudaLaunchCooperativeKernel(func: *const c_void, grid: Dim3, block: Dim3, args: *mut *mut c_void, shared: usize, stream: Stream);
+    runtime fn cudaLaunchHostFunc(stream: Stream, func: *mut c_void, data: *mut c_void);
+    runtime fn cudaGraphLaunch(exec: *mut c_void, stream: Stream);
+    runtime fn cudaMemset(ptr: *mut c_void, value: c_int, count: usize);
+    runtime fn cudaMemsetAsync(ptr: *mut c_void, value: c_int, count: usize, stream: Stream);
+    runtime fn cudaMemset2D(ptr: *mut c_void, pitch: usize, value: c_int, width: usize, height: usize);
+    runtime fn cudaMemset2DAsync(ptr: *mut c_void, pitch: usize, value: c_int, width: usize, height: usize, stream: Stream);
+    runtime fn cudaMemcpy2D(dst: *mut c_void, dpitch: usize, src: *const c_void, spitch: usize, width: usize, height: usize, kind: c_int);
+    runtime fn cudaMemcpy2DAsync(dst: *mut c_void, dpitch: usize, src: *const c_void, spitch: usize, width: usize, height: usize, kind: c_int, stream: Stream);
+    runtime fn cudaMemcpy3D(params: *const c_void);
+    runtime fn cudaMemcpy3DAsync(params: *const c_void, stream: Stream);
+    runtime fn cudaMemcpyPeer(dst: *mut c_void, dst_device: c_int, src: *const c_void, src_device: c_int, count: usize);
+    runtime fn cudaMemcpyPeerAsync(dst: *mut c_void, dst_device: c_int, src: *const c_void, src_device: c_int, count: usize, stream: Stream);
+    runtime fn cudaMemcpyToSymbol(symbol: *const c_void, src: *const c_void, count: usize, offset: usize, kind: c_int);
+    runtime fn cudaMemcpyFromSymbol(dst: *mut c_void, symbol: *const c_void, count: usize, offset: usize, kind: c_int);
+    runtime fn cudaStreamSynchronize(stream: Stream);
+    runtime fn cudaStreamQuery(stream: Stream);
+    runtime fn cudaStreamWaitEvent(stream: Stream, event: Event, flags: c_uint);
+    runtime fn cudaStreamBeginCapture(stream: Stream, mode: c_int);
+    runtime fn cudaEventRecord(event: Event, stream: Stream);
+    runtime fn cudaEventSynchronize(event: Event);
+    runtime fn cudaEventQuery(event: Event);
+    runtime fn cudaDeviceSynchronize();
+    driver fn cuLaunchKernel(f: *mut c_void, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shared: c_uint, stream: Stream, params: *mut *mut c_void, extra: *mut *mut c_void);
+    driver fn cuLaunchKernelEx(config: *const c_void, f: *mut c_void, params: *mut *mut c_void, extra: *mut *mut c_void);
+    driver fn cuLaunchCooperativeKernel(f: *mut c_void, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shared: c_uint, stream: Stream, params: *mut *mut c_void);
+    driver fn cuGraphLaunch(exec: *mut c_void, stream: Stream);
+    driver fn cuMemcpy(dst: DevicePtr, src: DevicePtr, count: usize);
+    driver fn cuMemcpyAsync(dst: DevicePtr, src: DevicePtr, count: usize, stream: Stream);
+    driver fn cuMemcpyDtoD_v2(dst: DevicePtr, src: DevicePtr, count: usize);
+    driver fn cuMemcpyDtoDAsync_v2(dst: DevicePtr, src: DevicePtr, count: usize, stream: Stream);
+    driver fn cuMemcpyHtoD_v2(dst: DevicePtr, src: *const c_void, count: usize);
+    driver fn cuMemcpyHtoDAsync_v2(dst: DevicePtr, src: *const c_void, count: usize, stream: Stream);
+    driver fn cuMemcpyDtoH_v2(dst: *mut c_void, src: DevicePtr, count: usize);
+    driver fn cuMemcpyDtoHAsync_v2(dst: *mut c_void, src: DevicePtr, count: usize, stream: Stream);
+    driver fn cuMemsetD8_v2(dst: DevicePtr, value: u8, count: usize);
+    driver fn cuMemsetD32_v2(dst: DevicePtr, value: c_uint, count: usize);
+    driver fn cuMemsetD8Async(dst: DevicePtr, value: u8, count: usize, stream: Stream);
+    driver fn cuMemsetD32Async(dst: DevicePtr, value: c_uint, count: usize, stream: Stream);
+    driver fn cuStreamSynchronize(stream: Stream);
+    driver fn cuCtxSynchronize();
+}
+
+/// The layer's hook for a hooked driver function, as a pointer to hand out from lookups.
+fn driver_hook(name: &str) -> Option<*mut c_void> {
+    let address: usize = match name {
+        "cuMemAlloc_v2" => cuMemAlloc_v2 as *const () as usize,
+        "cuMemFree_v2" => cuMemFree_v2 as *const () as usize,
+        "cuMemGetInfo_v2" => cuMemGetInfo_v2 as *const () as usize,
+        "cuGetProcAddress" => cuGetProcAddress as *const () as usize,
+        "cuGetProcAddress_v2" => cuGetProcAddress_v2 as *const () as usize,
+        "cuLaunchKernel" => cuLaunchKernel as *const () as usize,
+        "cuLaunchKernelEx" => cuLaunchKernelEx as *const () as usize,
+        "cuLaunchCooperativeKernel" => cuLaunchCooperativeKernel as *const () as usize,
+        "cuGraphLaunch" => cuGraphLaunch as *const () as usize,
+        "cuMemcpy" => cuMemcpy as *const () as usize,
+        "cuMemcpyAsync" => cuMemcpyAsync as *const () as usize,
+        "cuMemcpyDtoD_v2" => cuMemcpyDtoD_v2 as *const () as usize,
+        "cuMemcpyDtoDAsync_v2" => cuMemcpyDtoDAsync_v2 as *const () as usize,
+        "cuMemcpyHtoD_v2" => cuMemcpyHtoD_v2 as *const () as usize,
+        "cuMemcpyHtoDAsync_v2" => cuMemcpyHtoDAsync_v2 as *const () as usize,
+        "cuMemcpyDtoH_v2" => cuMemcpyDtoH_v2 as *const () as usize,
+        "cuMemcpyDtoHAsync_v2" => cuMemcpyDtoHAsync_v2 as *const () as usize,
+        "cuMemsetD8_v2" => cuMemsetD8_v2 as *const () as usize,
+        "cuMemsetD32_v2" => cuMemsetD32_v2 as *const () as usize,
+        "cuMemsetD8Async" => cuMemsetD8Async as *const () as usize,
+        "cuMemsetD32Async" => cuMemsetD32Async as *const () as usize,
+        "cuStreamSynchronize" => cuStreamSynchronize as *const () as usize,
+        "cuCtxSynchronize" => cuCtxSynchronize as *const () as usize,
+        _ => return None,
+    };
+    Some(address as *mut c_void)
+}
+
+// ---- the layer's own C ABI --------------------------------------------------------------
+
+fn abi_guarded(call: &'static str, body: impl FnOnce() -> Result<(), Fail>) -> c_int {
+    guarded(call, abi::INTERNAL, || match body() {
+        Ok(()) => abi::OK,
+        Err(fail) => {
+            tracing::warn!(call, %fail, "failed");
+            fail.abi_code()
+        }
+    })
+}
+
+/// A tag argument: NULL and "" mean none.
+unsafe fn tag_argument<'a>(tag: *const c_char) -> Result<Option<&'a str>, Fail> {
+    if tag.is_null() {
+        return Ok(None);
+    }
+    // SAFETY: the caller passes a NUL-terminated string (the header says so).
+    tags::parse_tag(unsafe { CStr::from_ptr(tag) }.to_bytes())
+}
+
+/// Sets the calling thread's tag (NULL or "": untagged).
+#[no_mangle]
+pub unsafe extern "C" fn stablebuf_set_tag(tag: *const c_char) -> c_int {
+    abi_guarded("stablebuf_set_tag", || {
+        // SAFETY: see `tag_argument`.
+        let tag = unsafe { tag_argument(tag) }?;
+        layer::layer().set_tag(tag);
+        Ok(())
+    })
+}
+
+/// Pauses a tag (NULL or "": every tag), keeping contents if `keep_contents` is non-zero.
+#[no_mangle]
+pub unsafe extern "C" fn stablebuf_pause(tag: *const c_char, keep_contents: c_int) -> c_int {
+    abi_guarded("stablebuf_pause", || {
+        // SAFETY: see `tag_argument`.
+        let tag = unsafe { tag_argument(tag) }?;
+        layer::layer().pause(tag, keep_contents != 0)
+    })
+}
+
+/// Resumes a tag (NULL or "": every paused tag). Idempotent.
+#[no_mangle]
+pub unsafe extern "C" fn stablebuf_resume(tag: *const c_char) -> c_int {
+    abi_guarded("stablebuf_resume", || {
+        // SAFETY: see `tag_argument`.
+        let tag = unsafe { tag_argument(tag) }?;
+        layer::layer().resume(tag)
+    })
+}
+
+/// Fills `*out` (whose `size` the caller set to `sizeof(struct stablebuf_stats)`).
+#[no_mangle]
+pub unsafe extern "C" fn stablebuf_stats(out: *mut StablebufStats) -> c_int {
+    abi_guarded("stablebuf_stats", || {
+        if out.is_null() {
+            return Err(Fail::InvalidValue("NULL stats pointer".into()));
+        }
+        // SAFETY: the caller's struct starts with its `size` field (8 bytes); read unaligned
+        // in case the caller's buffer is not 8-byte aligned.
+        let asked = unsafe { std::ptr::read_unaligned(out.cast::<u64>()) };
+        let Some(bytes) = bytes_to_write(asked) else {
+            return Err(Fail::InvalidValue(format!(
+                "stats.size is {asked}: set it to sizeof(struct stablebuf_stats)"
+            )));
+        };
+        let mut stats = layer::layer().stats();
+        stats.size = bytes as u64;
+        let data = stats.to_bytes();
+        // SAFETY: the caller declared `asked` ≥ `bytes` writable bytes at `out`.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), out.cast::<u8>(), bytes) };
+        Ok(())
+    })
+}
+
+/// Pins `bytes` of host memory now, so the first pause that keeps contents does not pay it.
+#[no_mangle]
+pub unsafe extern "C" fn stablebuf_reserve_host(bytes: usize) -> c_int {
+    abi_guarded("stablebuf_reserve_host", || {
+        if bytes == 0 {
+            return Err(Fail::InvalidValue("reserve_host of 0 bytes".into()));
+        }
+        layer::layer().reserve_host(bytes)
+    })
+}
+
+/// A static, NUL-terminated description of a `STABLEBUF_*` code.
+#[no_mangle]
+pub unsafe extern "C" fn stablebuf_error_string(code: c_int) -> *const c_char {
+    static TEXTS: OnceLock<Vec<(c_int, CString)>> = OnceLock::new();
+    static UNKNOWN: &CStr = c"unknown stablebuf error code";
+    let texts = TEXTS.get_or_init(|| {
+        abi::TABLE
+            .iter()
+            .filter_map(|(code, _, text)| Some((*code, CString::new(*text).ok()?)))
+            .collect()
+    });
+    texts
+        .iter()
+        .find(|(c, _)| *c == code)
+        .map_or(UNKNOWN.as_ptr(), |(_, text)| text.as_ptr())
+}
+
+// ---- load, fork and exit ----------------------------------------------------------------
+
+/// Runs when the library is loaded: reads the environment (and prints help), registers the
+/// exit and fork handlers. No CUDA call is made here.
+extern "C" fn init_at_load() {
+    let _ = catch_unwind(|| {
+        layer::init();
+        // SAFETY: registers functions of this library; glibc unregisters them if the library
+        // is unloaded (both take the caller's DSO handle).
+        unsafe {
+            libc::atexit(at_exit);
+            libc::pthread_atfork(None, None, Some(child_after_fork));
+        }
+    });
+}
+
+#[used]
+#[link_section = ".init_array"]
+static INIT_AT_LOAD: extern "C" fn() = init_at_load;
+
+extern "C" fn at_exit() {
+    let _ = catch_unwind(|| layer::layer().at_exit());
+}
+
+extern "C" fn child_after_fork() {
+    layer::forked();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::symbols;
+    use std::collections::BTreeSet;
+
+    #[test]
+    fn this_file_defines_exactly_the_symbol_table() {
+        let source = include_str!("ffi.rs");
+        let defined: BTreeSet<&str> = source
+            .split("fn ")
+            .skip(1)
+            .filter_map(|rest| rest.split('(').next())
+            .filter(|name| {
+                name.starts_with("cuda")
+                    || name.starts_with("stablebuf_")
+                    || (name.starts_with("cu")
+                        && name[2..].starts_with(|c: char| c.is_ascii_uppercase()))
+            })
+            .collect();
+        let table: BTreeSet<&str> = symbols::exported().collect();
+        assert_eq!(defined, table);
+    }
+
+    #[test]
+    fn every_hooked_driver_function_can_be_handed_out() {
+        for hooked in symbols::HOOKED
+            .iter()
+            .filter(|h| h.library == symbols::Library::Driver)
+        {
+            assert!(driver_hook(hooked.name).is_some(), "{}", hooked.name);
+        }
+        assert!(driver_hook("cuMemCreate").is_none());
+    }
+
+    #[test]
+    fn error_strings_are_static_and_match_the_table() {
+        for (code, _, text) in abi::TABLE {
+            // SAFETY: returns a pointer to a static NUL-terminated string.
+            let got = unsafe { CStr::from_ptr(stablebuf_error_string(*code)) };
+            assert_eq!(got.to_str().unwrap(), *text);
+        }
+        // SAFETY: as above.
+        let unknown = unsafe { CStr::from_ptr(stablebuf_error_string(12345)) };
+        assert_eq!(unknown.to_str().unwrap(), "unknown stablebuf error code");
+    }
+
+    #[test]
+    fn a_panic_becomes_an_error_code() {
+        let code = guarded("test", cuda::UNKNOWN, || panic!("boom"));
+        assert_eq!(code, cuda::UNKNOWN);
+        assert_eq!(guarded("test", cuda::UNKNOWN, || 7), 7);
+    }
+}

@@ -1,0 +1,523 @@
+//! The real CUDA functions, found at run time and never linked (a link-time dependency on
+//! `libcudart` makes the loader exit 127 where pip's `libcudart.so.13` is not on the search
+//! path: torch_memory_saver PR #108).
+//!
+//! Runtime lookup, in order, until `cudaGetDevice` is found:
+//! 1. `dlsym(RTLD_NEXT, ..)`: the next definition after this library in the global scope;
+//! 2. `dlopen(name, RTLD_NOLOAD)` of `libcudart.so.13`, `.so.12` and `.so`: a runtime already
+//!    loaded with `RTLD_LOCAL` (PyTorch's pip wheels load theirs as a dependency of a module that
+//!    Python imports `RTLD_LOCAL`, where `RTLD_NEXT` cannot see it);
+//! 3. `dl_iterate_phdr`: any loaded object whose path contains `libcudart`.
+//!
+//! The driver is found the same way (`libcuda.so.1`), and as a last resort opened with `dlopen`
+//! (the runtime would load it anyway). A table is resolved once, on the first call that needs
+//! it, and kept only if found, so a later call can still succeed.
+//!
+//! This module and `ffi.rs` are the only ones with `unsafe`.
+
+#![allow(non_snake_case)]
+
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
+use std::sync::OnceLock;
+
+use crate::codes::{cu, cuda, Fail};
+
+pub type Stream = *mut c_void;
+pub type Event = *mut c_void;
+pub type DevicePtr = u64;
+
+/// `dim3`, passed by value.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct Dim3 {
+    pub x: c_uint,
+    pub y: c_uint,
+    pub z: c_uint,
+}
+
+/// `cudaMemcpyDeviceToDevice` and `cudaMemcpyDefault`.
+pub const MEMCPY_DEVICE_TO_DEVICE: c_int = 3;
+pub const MEMCPY_DEFAULT: c_int = 4;
+
+macro_rules! function_table {
+    ($(#[$meta:meta])* $table:ident { $( $name:ident : fn($($arg:ty),*) -> $ret:ty; )* }) => {
+        $(#[$meta])*
+        pub struct $table {
+            $( pub $name: Option<unsafe extern "C" fn($($arg),*) -> $ret>, )*
+        }
+
+        impl $table {
+            fn resolve(lookup: &dyn Fn(&CStr) -> *mut c_void) -> Self {
+                Self {
+                    $( $name: {
+                        let name = concat!(stringify!($name), "\0");
+                        let symbol = CStr::from_bytes_with_nul(name.as_bytes())
+                            .expect("a literal with one NUL at the end");
+                        let found = lookup(symbol);
+                        if found.is_null() {
+                            None
+                        } else {
+                            // SAFETY: `found` is the address of the C function of that name
+                            // in the CUDA library, whose prototype the field's type spells
+                            // out (cuda_runtime_api.h / cuda.h).
+                            Some(unsafe {
+                                std::mem::transmute::<*mut c_void, unsafe extern "C" fn($($arg),*) -> $ret>(found)
+                            })
+                        }
+                    }, )*
+                }
+            }
+
+            /// `(name, address)` of every function found, for entry-point lookups.
+            #[allow(dead_code)]
+            pub fn addresses(&self) -> Vec<(&'static str, usize)> {
+                let mut out = Vec::new();
+                $( if let Some(f) = self.$name { out.push((stringify!($name), f as usize)); } )*
+                out
+            }
+        }
+    };
+}
+
+function_table! {
+    /// `libcudart` functions: the hooked ones, and the few the layer calls itself.
+    Runtime {
+        cudaMalloc: fn(*mut *mut c_void, usize) -> c_int;
+        cudaMallocAsync: fn(*mut *mut c_void, usize, Stream) -> c_int;
+        cudaFree: fn(*mut c_void) -> c_int;
+        cudaFreeAsync: fn(*mut c_void, Stream) -> c_int;
+        cudaMemGetInfo: fn(*mut usize, *mut usize) -> c_int;
+        cudaGetDriverEntryPoint: fn(*const c_char, *mut *mut c_void, u64, *mut c_int) -> c_int;
+        cudaGetDriverEntryPointByVersion: fn(*const c_char, *mut *mut c_void, c_uint, u64, *mut c_int) -> c_int;
+        cudaIpcGetMemHandle: fn(*mut c_void, *mut c_void) -> c_int;
+        cudaMemcpy: fn(*mut c_void, *const c_void, usize, c_int) -> c_int;
+        cudaMemcpyAsync: fn(*mut c_void, *const c_void, usize, c_int, Stream) -> c_int;
+        cudaLaunchKernel: fn(*const c_void, Dim3, Dim3, *mut *mut c_void, usize, Stream) -> c_int;
+        cudaLaunchKernelExC: fn(*const c_void, *const c_void, *mut *mut c_void) -> c_int;
+        cudaLaunchCooperativeKernel: fn(*const c_void, Dim3, Dim3, *mut *mut c_void, usize, Stream) -> c_int;
+        cudaLaunchHostFunc: fn(Stream, *mut c_void, *mut c_void) -> c_int;
+        cudaGraphLaunch: fn(*mut c_void, Stream) -> c_int;
+        cudaMemset: fn(*mut c_void, c_int, usize) -> c_int;
+        cudaMemsetAsync: fn(*mut c_void, c_int, usize, Stream) -> c_int;
+        cudaMemset2D: fn(*mut c_void, usize, c_int, usize, usize) -> c_int;
+        cudaMemset2DAsync: fn(*mut c_void, usize, c_int, usize, usize, Stream) -> c_int;
+        cudaMemcpy2D: fn(*mut c_void, usize, *const c_void, usize, usize, usize, c_int) -> c_int;
+        cudaMemcpy2DAsync: fn(*mut c_void, usize, *const c_void, usize, usize, usize, c_int, Stream) -> c_int;
+        cudaMemcpy3D: fn(*const c_void) -> c_int;
+        cudaMemcpy3DAsync: fn(*const c_void, Stream) -> c_int;
+        cudaMemcpyPeer: fn(*mut c_void, c_int, *const c_void, c_int, usize) -> c_int;
+        cudaMemcpyPeerAsync: fn(*mut c_void, c_int, *const c_void, c_int, usize, Stream) -> c_int;
+        cudaMemcpyToSymbol: fn(*const c_void, *const c_void, usize, usize, c_int) -> c_int;
+        cudaMemcpyFromSymbol: fn(*mut c_void, *const c_void, usize, usize, c_int) -> c_int;
+        cudaStreamSynchronize: fn(Stream) -> c_int;
+        cudaStreamQuery: fn(Stream) -> c_int;
+        cudaStreamWaitEvent: fn(Stream, Event, c_uint) -> c_int;
+        cudaStreamBeginCapture: fn(Stream, c_int) -> c_int;
+        cudaEventRecord: fn(Event, Stream) -> c_int;
+        cudaEventSynchronize: fn(Event) -> c_int;
+        cudaEventQuery: fn(Event) -> c_int;
+        cudaDeviceSynchronize: fn() -> c_int;
+        // Not hooked: called by the layer.
+        cudaGetDevice: fn(*mut c_int) -> c_int;
+        cudaSetDevice: fn(c_int) -> c_int;
+        cudaStreamIsCapturing: fn(Stream, *mut c_int) -> c_int;
+    }
+}
+
+function_table! {
+    /// `libcuda` functions: the hooked ones, and the few the layer calls itself.
+    Driver {
+        cuMemAlloc_v2: fn(*mut DevicePtr, usize) -> c_int;
+        cuMemFree_v2: fn(DevicePtr) -> c_int;
+        cuMemGetInfo_v2: fn(*mut usize, *mut usize) -> c_int;
+        cuGetProcAddress: fn(*const c_char, *mut *mut c_void, c_int, u64) -> c_int;
+        cuGetProcAddress_v2: fn(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int) -> c_int;
+        cuLaunchKernel: fn(*mut c_void, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, Stream, *mut *mut c_void, *mut *mut c_void) -> c_int;
+        cuLaunchKernelEx: fn(*const c_void, *mut c_void, *mut *mut c_void, *mut *mut c_void) -> c_int;
+        cuLaunchCooperativeKernel: fn(*mut c_void, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, Stream, *mut *mut c_void) -> c_int;
+        cuGraphLaunch: fn(*mut c_void, Stream) -> c_int;
+        cuMemcpy: fn(DevicePtr, DevicePtr, usize) -> c_int;
+        cuMemcpyAsync: fn(DevicePtr, DevicePtr, usize, Stream) -> c_int;
+        cuMemcpyDtoD_v2: fn(DevicePtr, DevicePtr, usize) -> c_int;
+        cuMemcpyDtoDAsync_v2: fn(DevicePtr, DevicePtr, usize, Stream) -> c_int;
+        cuMemcpyHtoD_v2: fn(DevicePtr, *const c_void, usize) -> c_int;
+        cuMemcpyHtoDAsync_v2: fn(DevicePtr, *const c_void, usize, Stream) -> c_int;
+        cuMemcpyDtoH_v2: fn(*mut c_void, DevicePtr, usize) -> c_int;
+        cuMemcpyDtoHAsync_v2: fn(*mut c_void, DevicePtr, usize, Stream) -> c_int;
+        cuMemsetD8_v2: fn(DevicePtr, u8, usize) -> c_int;
+        cuMemsetD32_v2: fn(DevicePtr, c_uint, usize) -> c_int;
+        cuMemsetD8Async: fn(DevicePtr, u8, usize, Stream) -> c_int;
+        cuMemsetD32Async: fn(DevicePtr, c_uint, usize, Stream) -> c_int;
+        cuStreamSynchronize: fn(Stream) -> c_int;
+        cuCtxSynchronize: fn() -> c_int;
+        // Not hooked: called by the layer.
+        cuCtxGetCurrent: fn(*mut *mut c_void) -> c_int;
+        cuCtxSetCurrent: fn(*mut c_void) -> c_int;
+        cuCtxGetDevice: fn(*mut c_int) -> c_int;
+    }
+}
+
+// SAFETY: the tables hold plain function pointers into shared libraries that stay loaded (the
+// handles are never closed); calling them from any thread is what the CUDA APIs allow.
+unsafe impl Send for Runtime {}
+// SAFETY: as above; the tables are never written after they are built.
+unsafe impl Sync for Runtime {}
+// SAFETY: as for `Runtime`.
+unsafe impl Send for Driver {}
+// SAFETY: as for `Runtime`.
+unsafe impl Sync for Driver {}
+
+static RUNTIME: OnceLock<Runtime> = OnceLock::new();
+static DRIVER: OnceLock<Driver> = OnceLock::new();
+
+const RUNTIME_NAMES: &[&CStr] = &[c"libcudart.so.13", c"libcudart.so.12", c"libcudart.so"];
+const DRIVER_NAMES: &[&CStr] = &[c"libcuda.so.1", c"libcuda.so"];
+
+/// The runtime's functions, or `None` if no runtime is loaded in this process.
+pub fn runtime() -> Option<&'static Runtime> {
+    if let Some(table) = RUNTIME.get() {
+        return Some(table);
+    }
+    let table = resolve(c"cudaGetDevice", RUNTIME_NAMES, "libcudart", false)
+        .map(|lookup| Runtime::resolve(&lookup))?;
+    let _ = RUNTIME.set(table);
+    RUNTIME.get()
+}
+
+/// The driver's functions, or `None` if libcuda cannot be loaded.
+pub fn driver() -> Option<&'static Driver> {
+    if let Some(table) = DRIVER.get() {
+        return Some(table);
+    }
+    let table = resolve(c"cuDriverGetVersion", DRIVER_NAMES, "libcuda.so", true)
+        .map(|lookup| Driver::resolve(&lookup))?;
+    let _ = DRIVER.set(table);
+    DRIVER.get()
+}
+
+/// A handle from `dlopen` (never closed), usable from any thread.
+struct Handle(*mut c_void);
+// SAFETY: a dlopen handle is a process-wide token; dlsym on it is thread-safe.
+unsafe impl Send for Handle {}
+// SAFETY: as above.
+unsafe impl Sync for Handle {}
+
+/// How to look names up: through `RTLD_NEXT` when the probe is found there, else through the
+/// handle of a loaded copy of the library.
+fn resolve(
+    probe: &CStr,
+    names: &[&CStr],
+    path_contains: &str,
+    may_load: bool,
+) -> Option<impl Fn(&CStr) -> *mut c_void> {
+    // SAFETY: dlsym with the RTLD_NEXT pseudo-handle and a NUL-terminated name.
+    let next = unsafe { libc::dlsym(libc::RTLD_NEXT, probe.as_ptr()) };
+    let handle = if !next.is_null() {
+        None
+    } else {
+        let found = names
+            .iter()
+            .find_map(|name| open(name, libc::RTLD_NOLOAD | libc::RTLD_LAZY))
+            .or_else(|| {
+                loaded_objects()
+                    .iter()
+                    .filter(|path| {
+                        path.to_bytes()
+                            .windows(path_contains.len())
+                            .any(|w| w == path_contains.as_bytes())
+                    })
+                    .find_map(|path| open(path, libc::RTLD_NOLOAD | libc::RTLD_LAZY))
+            })
+            .or_else(|| {
+                may_load
+                    .then(|| {
+                        names
+                            .iter()
+                            .find_map(|n| open(n, libc::RTLD_LAZY | libc::RTLD_LOCAL))
+                    })
+                    .flatten()
+            });
+        match found {
+            Some(handle) => Some(handle),
+            None => {
+                crate::layer::notice_once(
+                    if may_load { "driver" } else { "runtime" },
+                    &format!(
+                        "stablebuf-preload: no {path_contains} found in this process (tried \
+                         RTLD_NEXT, {} and every loaded object); CUDA calls through the layer \
+                         fail with a 'shared object symbol not found' error. Unset LD_PRELOAD or \
+                         set STABLEBUF_PRELOAD_MODE=off if this program does not use CUDA.",
+                        names
+                            .iter()
+                            .map(|n| n.to_string_lossy())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                );
+                return None;
+            }
+        }
+    };
+    Some(move |name: &CStr| match &handle {
+        // SAFETY: RTLD_NEXT pseudo-handle, NUL-terminated name.
+        None => unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr()) },
+        // SAFETY: a handle from dlopen that is never closed; NUL-terminated name.
+        Some(handle) => unsafe { libc::dlsym(handle.0, name.as_ptr()) },
+    })
+}
+
+fn open(name: &CStr, flags: c_int) -> Option<Handle> {
+    // SAFETY: dlopen with a NUL-terminated name; with RTLD_NOLOAD it only finds loaded objects.
+    let handle = unsafe { libc::dlopen(name.as_ptr(), flags) };
+    (!handle.is_null()).then_some(Handle(handle))
+}
+
+/// Paths of every object loaded in the process.
+fn loaded_objects() -> Vec<CString> {
+    unsafe extern "C" fn each(
+        info: *mut libc::dl_phdr_info,
+        _size: usize,
+        data: *mut c_void,
+    ) -> c_int {
+        // SAFETY: dl_iterate_phdr passes a valid info pointer for the duration of the call, and
+        // `data` is the `&mut Vec<CString>` given below.
+        unsafe {
+            let paths = &mut *data.cast::<Vec<CString>>();
+            let name = (*info).dlpi_name;
+            if !name.is_null() {
+                paths.push(CStr::from_ptr(name).to_owned());
+            }
+        }
+        0
+    }
+    let mut paths: Vec<CString> = Vec::new();
+    // SAFETY: the callback only reads the info it is given and writes to `paths`, which
+    // outlives the call.
+    unsafe {
+        libc::dl_iterate_phdr(Some(each), (&mut paths as *mut Vec<CString>).cast());
+    }
+    paths
+}
+
+/// Whether `name` names the same function as the pointer `found` (used for entry points).
+pub fn driver_function_named(found: usize) -> Option<&'static str> {
+    let driver = driver()?;
+    driver
+        .addresses()
+        .into_iter()
+        .find(|&(_, address)| address == found)
+        .map(|(name, _)| name)
+}
+
+// ---- the calls the layer makes itself -------------------------------------------------------
+
+fn missing(name: &str) -> Fail {
+    Fail::Missing(format!("the real {name}"))
+}
+
+/// The runtime's current device (`cudaGetDevice`).
+pub fn current_device() -> Result<usize, Fail> {
+    let get = runtime()
+        .and_then(|r| r.cudaGetDevice)
+        .ok_or_else(|| missing("cudaGetDevice"))?;
+    let mut device: c_int = 0;
+    // SAFETY: cudaGetDevice writes one int through a valid pointer.
+    let result = unsafe { get(&mut device) };
+    if result != cuda::SUCCESS {
+        return Err(Fail::Driver {
+            result: cu::NOT_INITIALIZED,
+            what: format!("cudaGetDevice failed with cudaError {result}"),
+        });
+    }
+    usize::try_from(device).map_err(|_| Fail::Internal(format!("device {device}")))
+}
+
+/// The device of the current driver context (`cuCtxGetDevice`): CUDA_ERROR_INVALID_CONTEXT
+/// when none is current, as the driver's own allocation would say.
+pub fn driver_current_device() -> Result<usize, Fail> {
+    let get = driver()
+        .and_then(|d| d.cuCtxGetDevice)
+        .ok_or_else(|| missing("cuCtxGetDevice"))?;
+    let mut device: c_int = 0;
+    // SAFETY: cuCtxGetDevice writes one int through a valid pointer.
+    let result = unsafe { get(&mut device) };
+    if result != cu::SUCCESS {
+        return Err(Fail::Driver {
+            result,
+            what: "cuCtxGetDevice (no current context?)".into(),
+        });
+    }
+    usize::try_from(device).map_err(|_| Fail::Internal(format!("device {device}")))
+}
+
+/// Whether `stream` is capturing. Unknown (no runtime) reads as capturing: the caller then
+/// takes the conservative path.
+pub fn stream_is_capturing(stream: u64) -> bool {
+    let Some(query) = runtime().and_then(|r| r.cudaStreamIsCapturing) else {
+        return true;
+    };
+    let mut status: c_int = 0;
+    // SAFETY: `stream` is the caller's own stream handle, given back to the runtime as is.
+    let result = unsafe { query(stream as Stream, &mut status) };
+    result != cuda::SUCCESS || status != 0
+}
+
+/// Performs a device-to-device copy on `stream` of `device` and waits for that stream.
+pub fn copy_and_wait(
+    device: usize,
+    dst: u64,
+    src: u64,
+    bytes: usize,
+    stream: u64,
+) -> Result<(), Fail> {
+    let rt = runtime().ok_or_else(|| missing("CUDA runtime"))?;
+    let copy = rt
+        .cudaMemcpyAsync
+        .ok_or_else(|| missing("cudaMemcpyAsync"))?;
+    let sync = rt
+        .cudaStreamSynchronize
+        .ok_or_else(|| missing("cudaStreamSynchronize"))?;
+    with_device(device, || {
+        // SAFETY: both ranges are live allocations of the layer on `device` (the engine holds
+        // its lock, so neither can be freed meanwhile); the stream is the caller's own.
+        let result = unsafe {
+            copy(
+                dst as *mut c_void,
+                src as *const c_void,
+                bytes,
+                MEMCPY_DEVICE_TO_DEVICE,
+                stream as Stream,
+            )
+        };
+        if result != cuda::SUCCESS {
+            return Err(Fail::Driver {
+                result: cu::UNKNOWN,
+                what: format!("cudaMemcpyAsync of a deferred copy failed with cudaError {result}"),
+            });
+        }
+        // SAFETY: the caller's stream handle, as above.
+        let result = unsafe { sync(stream as Stream) };
+        if result != cuda::SUCCESS {
+            return Err(Fail::Driver {
+                result: cu::UNKNOWN,
+                what: format!(
+                    "cudaStreamSynchronize after a deferred copy failed with cudaError {result}"
+                ),
+            });
+        }
+        Ok(())
+    })
+}
+
+/// Runs `f` with `device` as the runtime's current device, then puts the old one back.
+fn with_device<T>(device: usize, f: impl FnOnce() -> Result<T, Fail>) -> Result<T, Fail> {
+    let current = current_device()?;
+    if current == device {
+        return f();
+    }
+    let set = runtime()
+        .and_then(|r| r.cudaSetDevice)
+        .ok_or_else(|| missing("cudaSetDevice"))?;
+    // SAFETY: plain integer argument.
+    let result = unsafe { set(device as c_int) };
+    if result != cuda::SUCCESS {
+        return Err(Fail::InvalidValue(format!(
+            "cudaSetDevice({device}): {result}"
+        )));
+    }
+    let out = f();
+    // SAFETY: plain integer argument.
+    unsafe { set(current as c_int) };
+    out
+}
+
+/// Puts the thread's current driver context back when dropped. The layer's own driver calls
+/// (through cudarc) make the primary context of the device they work on current; a program
+/// with a context of its own must find it still current afterwards.
+pub struct ContextGuard {
+    saved: Option<*mut c_void>,
+}
+
+impl ContextGuard {
+    /// Remembers the current context. With none current, nothing is put back: the layer's
+    /// work leaves the device's primary context current, as the runtime's own first call would.
+    pub fn save() -> Self {
+        let saved = driver().and_then(|d| d.cuCtxGetCurrent).and_then(|get| {
+            let mut ctx: *mut c_void = std::ptr::null_mut();
+            // SAFETY: one valid out-pointer.
+            (unsafe { get(&mut ctx) } == cu::SUCCESS).then_some(ctx)
+        });
+        Self {
+            saved: saved.filter(|ctx| !ctx.is_null()),
+        }
+    }
+}
+
+impl Drop for ContextGuard {
+    fn drop(&mut self) {
+        let Some(saved) = self.saved else {
+            return;
+        };
+        let Some(driver) = driver() else {
+            return;
+        };
+        let (Some(get), Some(set)) = (driver.cuCtxGetCurrent, driver.cuCtxSetCurrent) else {
+            return;
+        };
+        let mut now: *mut c_void = std::ptr::null_mut();
+        // SAFETY: one valid out-pointer.
+        let read = unsafe { get(&mut now) };
+        if read != cu::SUCCESS || now != saved {
+            // SAFETY: `saved` was current on this thread when the guard was made.
+            unsafe { set(saved) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn without_cuda_nothing_is_found_and_nothing_breaks() {
+        // The test machine has no CUDA: every lookup path is tried and fails cleanly.
+        if runtime().is_some() {
+            return; // a machine with CUDA: nothing to check here
+        }
+        assert!(matches!(current_device(), Err(Fail::Missing(_))));
+        assert!(
+            stream_is_capturing(0),
+            "unknown reads as capturing (conservative)"
+        );
+        assert!(copy_and_wait(0, 1, 2, 3, 0).is_err());
+        drop(ContextGuard::save());
+    }
+
+    #[test]
+    fn loaded_objects_include_libc() {
+        let objects = loaded_objects();
+        assert!(
+            objects
+                .iter()
+                .any(|p| p.to_string_lossy().contains("libc.so")),
+            "{objects:?}"
+        );
+    }
+
+    #[test]
+    fn tables_list_what_they_found() {
+        let lookup = |name: &CStr| {
+            if name == c"cudaMalloc" {
+                std::ptr::dangling_mut::<c_void>()
+            } else {
+                std::ptr::null_mut()
+            }
+        };
+        let table = Runtime::resolve(&lookup);
+        assert!(table.cudaMalloc.is_some() && table.cudaFree.is_none());
+        assert_eq!(
+            table.addresses(),
+            vec![("cudaMalloc", std::ptr::dangling_mut::<c_void>() as usize)]
+        );
+    }
+}

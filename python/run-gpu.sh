@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# The Python package's GPU suite, on the GPU machine (no Rust toolchain, no network needed):
+#
+#   python/run-gpu.sh <stablebuf wheel> [<folder of extra wheels, e.g. torch_memory_saver>]
+#
+# Installs the wheels into /tmp/site (pip --no-index --no-deps --target), then runs, with
+# timings: the capture probe, pytest (CPU and GPU tests), examples/weight_swap.py and
+# examples/sleep_wake.py. Logs go to $OUT when it is set (else /tmp/stablebuf-python-logs).
+# Ends with `python GPU suite: N passed, M failed`; exits non-zero if anything failed.
+# Python: $PYTHON if set, else the first of python3 and /opt/torch/.venv/bin/python that
+# imports torch.
+set -uo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+root="$(dirname "$here")"
+wheel="${1:?usage: python/run-gpu.sh <stablebuf wheel> [<extra wheel folder>]}"
+extra="${2:-}"
+logs="${OUT:-/tmp/stablebuf-python-logs}"
+mkdir -p "$logs"
+site=/tmp/site
+suite_start=$(date +%s)
+
+python="${PYTHON:-}"
+if [ -z "$python" ]; then
+  for candidate in python3 /opt/torch/.venv/bin/python; do
+    if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c "import torch" 2>/dev/null; then
+      python="$candidate"
+      break
+    fi
+  done
+fi
+if [ -z "$python" ]; then
+  echo "run-gpu: no python with torch found (set PYTHON)"
+  echo "python GPU suite: 0 passed, 1 failed"
+  exit 1
+fi
+
+wheels=("$wheel")
+if [ -n "$extra" ]; then
+  for w in "$extra"/*.whl; do [ -e "$w" ] && wheels+=("$w"); done
+fi
+rm -rf "$site"
+mkdir -p "$site"
+echo "run-gpu: installing ${wheels[*]} into $site"
+if ! "$python" -m pip install --quiet --no-index --no-deps --target "$site" "${wheels[@]}"; then
+  # No pip in this interpreter: a wheel is a zip of the files to install.
+  for w in "${wheels[@]}"; do "$python" -m zipfile -e "$w" "$site" || exit 1; done
+fi
+export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+cd "$root"
+
+"$python" - <<'PY'
+import torch, stablebuf
+print(f"run-gpu: python {__import__('sys').version.split()[0]}, torch {torch.__version__} "
+      f"(CUDA {torch.version.cuda}), stablebuf {stablebuf.__version__} from {stablebuf.__file__}")
+print(f"run-gpu: device {torch.cuda.get_device_name() if torch.cuda.is_available() else 'NONE'}")
+PY
+
+passed=0
+failed=0
+failures=()
+step() { # name, log file, command...
+  local name="$1" log="$2"
+  shift 2
+  echo
+  echo "=== $name"
+  local start status ms
+  start=$(date +%s%N)
+  "$@" 2>&1 | tee "$logs/$log"
+  status=${PIPESTATUS[0]}
+  ms=$((($(date +%s%N) - start) / 1000000))
+  echo "=== $name: exit $status in $((ms / 1000)).$(printf '%03d' $((ms % 1000))) s"
+  return "$status"
+}
+count() { # name, status
+  if [ "$2" -eq 0 ]; then passed=$((passed + 1)); else failed=$((failed + 1)); failures+=("$1"); fi
+}
+
+step "capture probe" probe.log "$python" python/tests/probe_capture.py
+count "capture probe" $?
+
+step "pytest" pytest.log "$python" -m pytest -v -rs -p no:cacheprovider python/tests
+status=$?
+summary=$(grep -E '^=+ .*(passed|failed|error).* in [0-9.]+s' "$logs/pytest.log" | tail -1)
+number_of() { echo "$summary" | grep -oE "[0-9]+ $1" | grep -oE '^[0-9]+' | head -1; }
+tests_passed=$(number_of passed)
+tests_failed=$(($(number_of failed || true) + $(number_of 'errors?' || true) + 0))
+tests_skipped=$(number_of skipped)
+passed=$((passed + ${tests_passed:-0}))
+failed=$((failed + ${tests_failed:-0}))
+if [ "$status" -ne 0 ] && [ "${tests_failed:-0}" -eq 0 ]; then
+  failed=$((failed + 1))
+  failures+=("pytest exited $status")
+elif [ "${tests_failed:-0}" -gt 0 ]; then
+  failures+=("pytest: $tests_failed failed")
+fi
+gpu_skipped=$(grep -cE '^SKIPPED .*GPU test' "$logs/pytest.log" || true)
+if [ "${gpu_skipped:-0}" -gt 0 ]; then
+  # This script is for the GPU machine: a skipped GPU test is a failed run.
+  failed=$((failed + 1))
+  failures+=("pytest skipped GPU tests (see the reasons above)")
+elif [ "${tests_skipped:-0}" -gt 0 ]; then
+  echo "run-gpu: note: $tests_skipped tests skipped (see the reasons above)"
+fi
+
+step "examples/weight_swap.py" weight_swap.log "$python" python/examples/weight_swap.py
+count "weight_swap" $?
+
+tms_flag=()
+if "$python" -c "import torch_memory_saver" 2>/dev/null; then tms_flag=(--require-tms); fi
+step "examples/sleep_wake.py" sleep_wake.log "$python" python/examples/sleep_wake.py "${tms_flag[@]}"
+count "sleep_wake" $?
+
+elapsed=$(($(date +%s) - suite_start))
+{
+  echo "run-gpu: finished in ${elapsed} s"
+  grep -h '^probe ' "$logs/probe.log" || true
+  grep -h -E '^(weight_swap|sleep_wake):' "$logs/weight_swap.log" "$logs/sleep_wake.log" || true
+  if [ ${#failures[@]} -gt 0 ]; then printf 'run-gpu: failed: %s\n' "${failures[@]}"; fi
+  echo "python GPU suite: $passed passed, $failed failed"
+} | tee "$logs/summary.txt"
+[ "$failed" -eq 0 ]

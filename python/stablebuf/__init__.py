@@ -1,0 +1,117 @@
+"""stablebuf for PyTorch: tagged memory regions at fixed device addresses.
+
+Tensors allocated inside ``with stablebuf.region(tag):`` live in one reservation per tag, side
+by side, at addresses that never change. That makes three things cheap and safe for CUDA
+graphs captured over them:
+
+- :func:`sleep` / :func:`wake`: release a region's device memory (keeping its bytes in pinned
+  host memory, or discarding them) and bring it back with one mapping; the same tensors and
+  graphs work after the wake.
+- :func:`snapshot` / :func:`bind`: keep several weight sets of a region resident and swap them
+  under a captured graph with one remap, no copy and no re-capture.
+- :class:`CUDAGraph` / :func:`guard`: a replay while a region is asleep or unbound raises
+  :class:`Asleep` / :class:`Unbound` instead of killing the CUDA context.
+
+::
+
+    import torch, stablebuf
+
+    with stablebuf.region("weights"):
+        model = build_model().cuda().half()
+    ws_a = stablebuf.bound("weights") or stablebuf.snapshot("weights")
+    ws_b = stablebuf.snapshot("weights")
+    with stablebuf.writing(ws_b):
+        model.load_state_dict(other_state)
+
+    g = stablebuf.CUDAGraph(tags=["weights"])
+    with torch.cuda.graph(g):
+        out = model(static_x)
+    stablebuf.bind("weights", ws_b); g.replay()   # runs on weight set B
+    stablebuf.sleep("weights"); stablebuf.wake("weights"); g.replay()
+
+The package imports without torch or a GPU (for tooling and tests); the PyTorch glue needs
+``torch`` with CUDA when first used.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ._api import (
+    GuardedGraph,
+    bind,
+    bound,
+    check,
+    guard,
+    host_arena,
+    library_path,
+    pool,
+    region,
+    reserve_host,
+    sleep,
+    snapshot,
+    stats,
+    tags,
+    timeline,
+    unbind,
+    wake,
+    writing,
+)
+from ._native import (
+    Asleep,
+    Error,
+    OutOfMemory,
+    OverBudget,
+    SnapshotMismatch,
+    Unbound,
+    UnknownTag,
+    WeightSet,
+    __version__,
+    driver_present,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ._graph import CUDAGraph
+
+__all__ = [
+    "Asleep",
+    "CUDAGraph",
+    "Error",
+    "GuardedGraph",
+    "OutOfMemory",
+    "OverBudget",
+    "SnapshotMismatch",
+    "Unbound",
+    "UnknownTag",
+    "WeightSet",
+    "__version__",
+    "bind",
+    "bound",
+    "check",
+    "driver_present",
+    "guard",
+    "host_arena",
+    "library_path",
+    "pool",
+    "region",
+    "reserve_host",
+    "sleep",
+    "snapshot",
+    "stats",
+    "tags",
+    "timeline",
+    "unbind",
+    "wake",
+    "writing",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # CUDAGraph subclasses torch.cuda.CUDAGraph, so it is defined when first asked for: the
+    # package itself imports without torch.
+    if name == "CUDAGraph":
+        from ._graph import CUDAGraph
+
+        globals()["CUDAGraph"] = CUDAGraph
+        return CUDAGraph
+    raise AttributeError(f"module 'stablebuf' has no attribute {name!r}")

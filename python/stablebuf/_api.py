@@ -1,0 +1,334 @@
+"""Regions, sleep/wake, weight sets and the replay guard (everything but the graph subclass)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+import threading
+import warnings
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
+
+from . import _native
+from ._native import Error, WeightSet
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+Tags = Union[str, Iterable[str]]
+
+# One (allocator, pool) per tag, kept for the life of the process: a MemPool must outlive
+# every tensor allocated from it, and PyTorch crashes when a pool built on a pluggable
+# allocator is collected early (pytorch#146431).
+_POOLS: Dict[str, Tuple[Any, Any]] = {}
+_POOLS_LOCK = threading.Lock()
+_EXPANDABLE_WARNED = False
+
+
+def _as_tags(tags: Tags) -> List[str]:
+    """``"w"`` or ``["w", "kv"]`` as a list of tags."""
+    if isinstance(tags, str):
+        return [tags]
+    names = list(tags)
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(f"tags must be strings, got {type(name).__name__}: {name!r}")
+    return names
+
+
+def _torch() -> "Any":
+    try:
+        import torch
+    except ImportError as missing:  # pragma: no cover - depends on the environment
+        raise ImportError("stablebuf's PyTorch glue needs torch (pip install torch)") from missing
+    if not torch.cuda.is_available():
+        raise Error("stablebuf regions need a CUDA device, and torch sees none")
+    return torch
+
+
+def _current_stream() -> int:
+    """PyTorch's current CUDA stream handle (0, the legacy default stream, without torch)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return 0
+    return int(torch.cuda.current_stream().cuda_stream)
+
+
+def _current_device() -> int:
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        return 0
+    return int(torch.cuda.current_device())
+
+
+def library_path() -> str:
+    """Path of the shared library whose C functions PyTorch's pluggable allocator calls."""
+    path = _native.__file__
+    if path is None:  # pragma: no cover - extension modules always have a file
+        raise Error("stablebuf._native has no file path")
+    return str(path)
+
+
+def _expandable_segments_requested() -> bool:
+    for variable in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        if re.search(r"expandable_segments\s*:\s*true", os.environ.get(variable, ""), re.I):
+            return True
+    return False
+
+
+@contextlib.contextmanager
+def _expandable_segments_off(torch: Any) -> Iterator[None]:
+    """Expandable segments must be off while a pool on a pluggable allocator allocates
+    (pytorch#147851): switch them off for the block and back on after, saying so once."""
+    if not _expandable_segments_requested():
+        yield
+        return
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is None:
+        setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    if setter is None:
+        raise Error(
+            "PYTORCH_CUDA_ALLOC_CONF asks for expandable_segments:True, which pools on a "
+            "pluggable allocator do not support (pytorch#147851), and this torch cannot switch "
+            "it off at run time: unset it for processes that use stablebuf regions"
+        )
+    global _EXPANDABLE_WARNED
+    if not _EXPANDABLE_WARNED:
+        _EXPANDABLE_WARNED = True
+        warnings.warn(
+            "stablebuf: expandable_segments is switched off inside stablebuf.region() "
+            "(pools on a pluggable allocator do not support it, pytorch#147851); it stays on "
+            "elsewhere",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    setter("expandable_segments:False")
+    try:
+        yield
+    finally:
+        setter("expandable_segments:True")
+
+
+def pool(tag: str, *, capacity: Optional[int] = None) -> "torch.cuda.MemPool":
+    """The ``torch.cuda.MemPool`` whose memory comes from region ``tag`` (created on first use,
+    on the current CUDA device, with ``capacity`` bytes of addresses; 1 TiB by default, which
+    costs no memory).
+
+    Pass ``pool(tag).id`` to ``torch.cuda.graph(g, pool=...)`` to put a graph's own memory
+    (activations, outputs) in a region that can sleep: see the README for what the capture
+    probe found.
+    """
+    with _POOLS_LOCK:
+        found = _POOLS.get(tag)
+        if found is not None:
+            return found[1]
+        torch = _torch()
+        slot = _native.register(tag, _current_device(), capacity)
+        allocator = torch.cuda.memory.CUDAPluggableAllocator(
+            library_path(), _native.alloc_symbol(slot), _native.FREE_SYMBOL
+        )
+        mem_pool = torch.cuda.MemPool(allocator.allocator())
+        _POOLS[tag] = (allocator, mem_pool)
+        return mem_pool
+
+
+def _warn_free_errors() -> None:
+    for message in _native.take_free_errors():
+        warnings.warn(f"stablebuf: a free failed: {message}", RuntimeWarning, stacklevel=3)
+
+
+@contextlib.contextmanager
+def region(tag: str, *, capacity: Optional[int] = None) -> Iterator["torch.cuda.MemPool"]:
+    """Allocate every CUDA tensor made in this block (on this thread) in region ``tag``.
+
+    The region is one reservation of device addresses; its allocations sit side by side, at
+    addresses that never change, so graphs captured over them stay valid across
+    :func:`sleep`/:func:`wake` and :func:`bind`. Yields the tag's ``MemPool``.
+
+    Raises :class:`Asleep` if the region is asleep (PyTorch could otherwise hand out cached
+    blocks over released memory) and :class:`Unbound` if it is unbound. An allocation the
+    region refuses raises the typed error (:class:`OutOfMemory` with the bytes asked and free,
+    :class:`Asleep`, ...) instead of PyTorch's generic out-of-memory error, which becomes its
+    ``__cause__``.
+    """
+    torch = _torch()
+    mem_pool = pool(tag, capacity=capacity)
+    _native.check_replayable([tag])
+    _native.take_alloc_error()  # a stale failure must not be blamed on this block
+    try:
+        with _expandable_segments_off(torch), torch.cuda.use_mem_pool(mem_pool):
+            yield mem_pool
+    except RuntimeError as refused:  # torch.OutOfMemoryError is a RuntimeError
+        cause = _native.take_alloc_error()
+        if cause is not None:
+            raise cause from refused
+        raise
+    finally:
+        _warn_free_errors()
+
+
+def tags() -> List[str]:
+    """Every region's tag, in creation order."""
+    return _native.tags()
+
+
+def sleep(tags: Tags, keep: bool = True) -> Dict[str, Dict[str, Any]]:
+    """Release the device memory of the regions ``tags``, keeping their addresses.
+
+    With ``keep=True`` the bytes are copied to pinned host memory first, and :func:`wake` puts
+    them back; with ``keep=False`` they are discarded (KV caches, activations). The pinned host
+    arena is allocated once and reused: call :func:`reserve_host` up front, otherwise the first
+    sleep pins it (about 0.5 s per GiB) and that cost shows in the first sleep.
+
+    Waits for all work in flight on the device before unmapping; copies run on the current
+    stream. Sleeping an asleep region does nothing. All or nothing: if one region fails, the
+    others this call put to sleep are woken again. Returns ``{tag: {"bytes", "seconds",
+    "gb_per_s", "storage"}}``.
+    """
+    names = _as_tags(tags)
+    try:
+        return _native.sleep(names, keep, _current_stream())
+    finally:
+        _warn_free_errors()
+
+
+def wake(tags: Tags) -> Dict[str, Dict[str, Any]]:
+    """Back the regions ``tags`` with device memory again (one allocation and one mapping per
+    region) and restore their bytes; tensors and graphs over them are valid again.
+
+    Waking an awake region does nothing. On :class:`OutOfMemory` the failing region (and those
+    after it) stays asleep with its host copy: free memory and call ``wake`` again.
+    """
+    return _native.wake(_as_tags(tags), _current_stream())
+
+
+def snapshot(tag: str) -> WeightSet:
+    """A new weight set of region ``tag``: a second backing of its used span holding the
+    region's current contents (one device allocation, one copy on the current stream).
+
+    Fill it with :func:`writing` (e.g. ``model.load_state_dict(other)``) and swap it in with
+    :func:`bind`. The first snapshot also folds the region's backing into one allocation, so
+    every later bind is one mapping.
+    """
+    return _native.snapshot(tag, _current_stream())
+
+
+def bind(tag: str, weights: WeightSet) -> Optional[WeightSet]:
+    """Put ``weights`` under region ``tag``'s addresses and return the weight set bound before.
+
+    Every tensor and captured graph over the region reads the new weights from then on; nothing
+    is copied and nothing is re-captured. Waits for all work in flight on the device first
+    (never unmaps under a running kernel). Raises :class:`SnapshotMismatch` for a weight set of
+    another region, or when the region grew past the weight set (take a new snapshot).
+    """
+    return _native.bind(tag, weights)
+
+
+def bound(tag: str) -> Optional[WeightSet]:
+    """The weight set under region ``tag`` now (``None`` before the first snapshot or wake)."""
+    return _native.bound(tag)
+
+
+def unbind(tag: str) -> None:
+    """Unmap region ``tag``'s weight set (keep :func:`bound` first to bind it back). Graphs
+    guarded by the tag raise :class:`Unbound` until the next :func:`bind`."""
+    _native.unbind(tag)
+
+
+@contextlib.contextmanager
+def writing(weights: WeightSet) -> Iterator[WeightSet]:
+    """Bind ``weights`` for the block, then bind back what was bound before.
+
+    Writes to the region's tensors inside the block (``model.load_state_dict(sd_b)``,
+    ``param.copy_(...)``) land in ``weights``::
+
+        ws_b = stablebuf.snapshot("weights")
+        with stablebuf.writing(ws_b):
+            model.load_state_dict(state_b)
+    """
+    previous = bind(weights.tag, weights)
+    try:
+        yield weights
+    finally:
+        if previous is not None:
+            bind(weights.tag, previous)
+
+
+def check(tags: Tags) -> None:
+    """Raise :class:`Asleep` or :class:`Unbound` unless a graph over the regions ``tags`` may
+    replay now (:class:`UnknownTag` for a tag with no region)."""
+    _native.check_replayable(_as_tags(tags))
+
+
+def reserve_host(nbytes: int) -> int:
+    """Pin ``nbytes`` of host memory for sleeping regions now, once, and return the pinned
+    capacity. Pinning is the slow part of a sleep (about 0.5 s per GiB); without this call the
+    first ``sleep(keep=True)`` pins what it needs."""
+    return _native.reserve_host(int(nbytes), _current_device())
+
+
+def host_arena() -> Optional[Dict[str, Any]]:
+    """``{"capacity", "free", "pin_seconds", "pins"}`` of the pinned host arena, or ``None``
+    before anything was pinned."""
+    return _native.host_arena()
+
+
+def stats() -> Dict[str, Dict[str, Any]]:
+    """Per tag: ``reserved`` (virtual bytes), ``allocated`` (bytes PyTorch holds from the region),
+    ``allocations``, ``span``, ``mapped`` (physical bytes now), ``mappings``, ``asleep``,
+    ``host_bytes`` (kept on the host while asleep), and from PyTorch's pool, where it can tell,
+    ``tensor_bytes`` (in live tensors) and ``cached`` (held by PyTorch's cache, free for
+    tensors)."""
+    out: Dict[str, Dict[str, Any]] = _native.stats()
+    for tag, entry in out.items():
+        found = _POOLS.get(tag)
+        if found is None:
+            continue
+        try:
+            segments = found[1].snapshot(include_traces=False)
+        except Exception:  # noqa: BLE001 - PyTorch's view is extra; the region's is above
+            continue
+        in_tensors = sum(int(s.get("allocated_size", 0)) for s in segments)
+        total = sum(int(s.get("total_size", 0)) for s in segments)
+        entry["tensor_bytes"] = in_tensors
+        entry["cached"] = total - in_tensors
+    return out
+
+
+def timeline(path: Union[str, "os.PathLike[str]"], title: str = "stablebuf regions") -> str:
+    """Write the SVG timeline (address against time) of every region's maps, unmaps,
+    allocations and frees to ``path``; returns the path."""
+    svg = _native.timeline_svg(title)
+    with open(path, "w", encoding="utf-8") as out:
+        out.write(svg)
+    return os.fspath(path)
+
+
+class GuardedGraph:
+    """A CUDA graph whose :meth:`replay` first checks that its regions are awake and bound
+    (made by :func:`guard`). Other attributes are the wrapped graph's."""
+
+    def __init__(self, graph: Any, tags: Tags) -> None:
+        self.graph = graph
+        self.tags: Tuple[str, ...] = tuple(_as_tags(tags))
+
+    def replay(self) -> None:
+        """Replay the graph, or raise :class:`Asleep` / :class:`Unbound` without launching."""
+        _native.check_replayable(list(self.tags))
+        self.graph.replay()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.graph, name)
+
+    def __repr__(self) -> str:
+        return f"GuardedGraph({self.graph!r}, tags={self.tags!r})"
+
+
+def guard(graph: Any, tags: Optional[Tags] = None) -> GuardedGraph:
+    """Wrap a ``torch.cuda.CUDAGraph`` so that ``replay()`` raises :class:`Asleep` or
+    :class:`Unbound` instead of faulting when a region it uses is asleep or unbound.
+
+    ``tags`` are the regions the graph reads or writes; by default every region that exists
+    now (safe, but then sleeping any region blocks the replay)."""
+    return GuardedGraph(graph, _native.tags() if tags is None else tags)

@@ -1,0 +1,355 @@
+"""GPU tests: regions under PyTorch, sleep/wake, weight sets under captured graphs, the replay
+guard, and typed errors that leave state intact. They skip (with the reason) without torch or
+a CUDA device.
+
+Regions live for the whole process, so every test uses tags of its own. Outputs are poisoned
+with NaN before every replay, and inputs are fresh random data, so a replay that did not run,
+or ran on the wrong memory, cannot pass.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import stablebuf
+from stablebuf import _native
+
+pytestmark = pytest.mark.gpu
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def torch():
+    import torch as torch_module
+
+    torch_module.cuda.init()
+    torch_module.manual_seed(20261123)
+    return torch_module
+
+
+def _same_bits(torch, a, b) -> bool:
+    return torch.equal(
+        a.contiguous().view(torch.uint8).cpu(), b.contiguous().view(torch.uint8).cpu()
+    )
+
+
+def _random_tensors(torch, shapes_and_dtypes):
+    out = []
+    for shape, dtype in shapes_and_dtypes:
+        if dtype.is_floating_point:
+            t = torch.randn(shape, device="cuda", dtype=dtype)
+        else:
+            t = torch.randint(1, 120, shape, device="cuda", dtype=dtype)
+        out.append(t)
+    return out
+
+
+def _warm_then_capture(torch, graph, fn):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        out = fn()
+    return out
+
+
+def _mlp_forward(torch, w1, w2, x):
+    return torch.relu(x @ w1) @ w2
+
+
+def test_tensors_made_in_a_region_live_in_its_reservation(torch):
+    with stablebuf.region("place") as pool:
+        small = torch.randn(1000, device="cuda")
+        big = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")
+    outside = torch.randn(1000, device="cuda")
+    assert isinstance(pool, torch.cuda.MemPool)
+    assert _native.owner(small.data_ptr()) == "place"
+    assert _native.owner(big.data_ptr()) == "place"
+    assert _native.owner(outside.data_ptr()) is None
+    stats = stablebuf.stats()["place"]
+    assert stats["allocated"] >= big.nbytes + small.nbytes
+    assert stats["mapped"] >= stats["allocated"]
+    assert stats["asleep"] is False
+    assert stats["tensor_bytes"] >= big.nbytes + small.nbytes
+    assert stats["cached"] >= 0
+
+
+def test_sleep_wake_round_trips_are_bit_exact(torch):
+    with stablebuf.region("round_trip"):
+        tensors = _random_tensors(
+            torch,
+            [
+                ((4096, 1024), torch.float32),
+                ((777,), torch.float16),
+                ((3, 1000, 333), torch.bfloat16),
+                ((12345,), torch.int64),
+                ((5 * MiB + 3,), torch.uint8),
+            ],
+        )
+    references = [t.cpu().clone() for t in tensors]
+    for cycle in range(3):
+        report = stablebuf.sleep("round_trip")
+        assert report["round_trip"]["bytes"] >= sum(t.nbytes for t in tensors)
+        asleep = stablebuf.stats()["round_trip"]
+        assert asleep["asleep"] and asleep["mapped"] == 0 and asleep["host_bytes"] > 0
+        stablebuf.wake("round_trip")
+        awake = stablebuf.stats()["round_trip"]
+        assert not awake["asleep"] and awake["mappings"] == 1, awake
+        for t, reference in zip(tensors, references):
+            assert _same_bits(torch, t, reference), f"cycle {cycle}: {t.dtype} {tuple(t.shape)}"
+
+
+def test_discarded_regions_come_back_usable(torch):
+    with stablebuf.region("discard"):
+        kv = torch.randn(8 * MiB // 4, device="cuda")
+    stablebuf.sleep("discard", keep=False)
+    assert stablebuf.stats()["discard"]["host_bytes"] == 0
+    stablebuf.wake("discard")
+    fresh = torch.randn_like(kv)
+    kv.copy_(fresh)
+    assert torch.equal(kv, fresh)
+
+
+def test_free_memory_rises_by_the_region_on_sleep_and_is_back_after_100_cycles(torch):
+    with stablebuf.region("cycles"):
+        data = torch.randn(256 * MiB // 4, device="cuda")
+    reference = data.cpu().clone()
+    mapped = stablebuf.stats()["cycles"]["mapped"]
+    stablebuf.reserve_host(mapped)  # pin once: the cycles below must not pin again
+    pins = stablebuf.host_arena()["pins"]
+    torch.cuda.synchronize()
+    baseline, _ = torch.cuda.mem_get_info()
+    stablebuf.sleep("cycles")
+    asleep, _ = torch.cuda.mem_get_info()
+    released = asleep - baseline
+    assert mapped - 2 * MiB <= released <= mapped + 32 * MiB, (released, mapped)
+    stablebuf.wake("cycles")
+    start = time.perf_counter()
+    for _ in range(100):
+        stablebuf.sleep("cycles")
+        stablebuf.wake("cycles")
+    per_cycle = (time.perf_counter() - start) / 100
+    torch.cuda.synchronize()
+    after, _ = torch.cuda.mem_get_info()
+    print(
+        f"\n  256 MiB sleep+wake: {per_cycle * 1e3:.2f} ms per cycle; released {released >> 20} MiB"
+    )
+    assert abs(after - baseline) <= 4 * MiB, (
+        f"free memory drifted by {(after - baseline) / MiB:.1f} MiB"
+    )
+    assert stablebuf.host_arena()["pins"] == pins, "a steady-state sleep pinned memory again"
+    assert _same_bits(torch, data, reference)
+
+
+def test_a_captured_graph_replays_after_wake_and_refuses_while_asleep(torch):
+    with stablebuf.region("graph_weights"):
+        w1 = torch.randn(1024, 1024, device="cuda") / 32
+        w2 = torch.randn(1024, 1024, device="cuda") / 32
+    x = torch.randn(64, 1024, device="cuda")
+    g = stablebuf.CUDAGraph(tags=["graph_weights"])
+    out = _warm_then_capture(torch, g, lambda: _mlp_forward(torch, w1, w2, x))
+    plain = torch.cuda.CUDAGraph()
+    plain_out = _warm_then_capture(torch, plain, lambda: _mlp_forward(torch, w1, w2, x))
+    guarded = stablebuf.guard(plain, ["graph_weights"])
+
+    x.copy_(torch.randn_like(x))
+    want = _mlp_forward(torch, w1, w2, x)
+    stablebuf.sleep("graph_weights")
+    out.fill_(float("nan"))
+    plain_out.fill_(float("nan"))
+    with pytest.raises(stablebuf.Asleep, match="graph_weights"):
+        g.replay()
+    with pytest.raises(stablebuf.Asleep):
+        guarded.replay()
+    torch.cuda.synchronize()
+    assert torch.isnan(out).all() and torch.isnan(plain_out).all(), "a refused replay launched"
+
+    stablebuf.wake("graph_weights")
+    g.replay()
+    guarded.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(plain_out, want)
+
+
+def test_a_graph_guards_every_region_when_given_no_tags(torch):
+    with stablebuf.region("default_guard"):
+        w = torch.randn(256, 256, device="cuda")
+    x = torch.randn(8, 256, device="cuda")
+    g = stablebuf.CUDAGraph()
+    _warm_then_capture(torch, g, lambda: x @ w)
+    assert set(stablebuf.tags()) <= set(g.guarded_tags)
+    assert "default_guard" in g.guarded_tags
+    g.guard(["default_guard"])
+    assert g.guarded_tags == ("default_guard",)
+
+
+def test_weight_set_swap_under_a_graph_equals_eager_with_that_set(torch):
+    def build():
+        return torch.nn.Sequential(
+            torch.nn.Linear(512, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 512)
+        ).cuda()
+
+    with stablebuf.region("swap"):
+        model = build()
+    state_a = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state_b = {k: torch.randn_like(v) * 0.05 for k, v in state_a.items()}
+    reference_a, reference_b = build(), build()
+    reference_a.load_state_dict(state_a)
+    reference_b.load_state_dict(state_b)
+
+    ws_b = stablebuf.snapshot("swap")
+    ws_a = stablebuf.bound("swap")
+    assert ws_a is not None and ws_a != ws_b and ws_b.tag == "swap"
+    assert ws_b.nbytes >= sum(v.nbytes for v in state_a.values())
+    with stablebuf.writing(ws_b):
+        model.load_state_dict(state_b)
+    assert stablebuf.bound("swap") == ws_a, "writing() binds back what was bound"
+
+    x = torch.randn(32, 512, device="cuda")
+    g = stablebuf.CUDAGraph(tags=["swap"])
+    with torch.no_grad():
+        out = _warm_then_capture(torch, g, lambda: model(x))
+        for step in range(6):
+            weights, reference = (ws_b, reference_b) if step % 2 == 0 else (ws_a, reference_a)
+            x.copy_(torch.randn_like(x))
+            previous = stablebuf.bind("swap", weights)
+            assert previous == (ws_a if step % 2 == 0 else ws_b)
+            out.fill_(float("nan"))
+            g.replay()
+            torch.testing.assert_close(out, reference(x), rtol=1e-4, atol=1e-4)
+
+
+def test_graph_memory_in_a_region_can_be_discarded_and_replayed(torch):
+    with stablebuf.region("act_weights"):
+        w = torch.randn(2048, 2048, device="cuda") / 45
+    x = torch.randn(256, 2048, device="cuda")
+    g = stablebuf.CUDAGraph(tags=["act_weights", "activations"])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.relu(x @ w) @ w
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(g, pool=stablebuf.pool("activations").id):
+        out = torch.relu(x @ w) @ w
+    assert _native.owner(out.data_ptr()) == "activations"
+    want = torch.relu(x @ w) @ w
+    stablebuf.sleep("activations", keep=False)
+    with pytest.raises(stablebuf.Asleep):
+        g.replay()
+    stablebuf.wake("activations")
+    out.fill_(float("nan"))
+    g.replay()
+    torch.testing.assert_close(out, want)
+
+
+def test_unbind_makes_guarded_replays_raise_until_bound_again(torch):
+    with stablebuf.region("unbind"):
+        w = torch.randn(512, 512, device="cuda")
+    x = torch.randn(16, 512, device="cuda")
+    stablebuf.snapshot("unbind")
+    kept = stablebuf.bound("unbind")
+    g = stablebuf.CUDAGraph(tags=["unbind"])
+    out = _warm_then_capture(torch, g, lambda: x @ w)
+    want = x @ w
+    stablebuf.unbind("unbind")
+    with pytest.raises(stablebuf.Unbound, match="unbind"):
+        g.replay()
+    with pytest.raises(stablebuf.Unbound):
+        stablebuf.check("unbind")
+    with pytest.raises(stablebuf.Unbound):
+        with stablebuf.region("unbind"):
+            pass
+    stablebuf.bind("unbind", kept)
+    out.fill_(float("nan"))
+    g.replay()
+    torch.testing.assert_close(out, want)
+
+
+def test_unknown_tags_and_foreign_weight_sets_raise_and_keep_state(torch):
+    with stablebuf.region("keep_a"):
+        a = torch.randn(1 << 20, device="cuda")
+    with stablebuf.region("keep_b"):
+        torch.randn(1 << 18, device="cuda")
+    reference = a.cpu().clone()
+    stablebuf.snapshot("keep_a")
+    bound_before = stablebuf.bound("keep_a")
+    foreign = stablebuf.snapshot("keep_b")
+
+    with pytest.raises(stablebuf.UnknownTag, match="nope"):
+        stablebuf.sleep(["keep_a", "nope"])
+    assert not stablebuf.stats()["keep_a"]["asleep"], "nothing slept when one tag was unknown"
+
+    with pytest.raises(stablebuf.SnapshotMismatch, match="keep_b.*keep_a"):
+        stablebuf.bind("keep_a", foreign)
+    assert stablebuf.bound("keep_a") == bound_before
+    assert _same_bits(torch, a, reference)
+
+    stablebuf.sleep("keep_a")
+    with pytest.raises(stablebuf.Asleep):
+        stablebuf.bind("keep_a", bound_before)
+    with pytest.raises(stablebuf.Asleep):
+        stablebuf.snapshot("keep_a")
+    with pytest.raises(stablebuf.Asleep, match="keep_a"):
+        with stablebuf.region("keep_a"):
+            pass
+    stablebuf.wake("keep_a")
+    assert _same_bits(torch, a, reference)
+
+
+def test_waking_on_a_full_device_raises_out_of_memory_and_stays_asleep(torch):
+    with stablebuf.region("full"):
+        data = torch.randn(1 << 28, device="cuda")  # 1 GiB
+    reference = data.cpu().clone()
+    stablebuf.sleep("full")
+    host_bytes = stablebuf.stats()["full"]["host_bytes"]
+    free, _ = torch.cuda.mem_get_info()
+    filler = torch.empty(free - 256 * MiB, dtype=torch.uint8, device="cuda")
+    try:
+        with pytest.raises(stablebuf.OutOfMemory, match="asked") as raised:
+            stablebuf.wake("full")
+        assert "free" in str(raised.value)
+        stats = stablebuf.stats()["full"]
+        assert stats["asleep"] and stats["host_bytes"] == host_bytes, stats
+        with pytest.raises(stablebuf.Asleep):
+            stablebuf.check("full")
+    finally:
+        del filler
+        torch.cuda.empty_cache()
+    stablebuf.wake("full")
+    assert _same_bits(torch, data, reference)
+
+
+def test_an_allocation_the_device_cannot_hold_raises_out_of_memory(torch):
+    with stablebuf.region("too_big"):
+        kept = torch.randn(1024, device="cuda")
+    reference = kept.cpu().clone()
+    before = stablebuf.stats()["too_big"]
+    free, total = torch.cuda.mem_get_info()
+    with pytest.raises(stablebuf.OutOfMemory, match="asked") as raised:
+        with stablebuf.region("too_big"):
+            torch.empty(free + (4 << 30), dtype=torch.uint8, device="cuda")
+    assert isinstance(raised.value.__cause__, RuntimeError), "PyTorch's own error is the cause"
+    after = stablebuf.stats()["too_big"]
+    assert after["allocations"] == before["allocations"]
+    assert after["mapped"] == before["mapped"]
+    assert _same_bits(torch, kept, reference)
+
+
+def test_stats_and_timeline(torch, tmp_path):
+    with stablebuf.region("report"):
+        torch.randn(3 * MiB, device="cuda")
+    stablebuf.snapshot("report")
+    assert stablebuf.stats()["report"]["mappings"] == 1
+    stablebuf.sleep("report")
+    assert stablebuf.stats()["report"]["mapped"] == 0
+    stablebuf.wake("report")
+    path = stablebuf.timeline(tmp_path / "regions.svg", title="test regions")
+    text = open(path, encoding="utf-8").read()
+    assert "<svg" in text and len(text) > 1000
