@@ -326,22 +326,22 @@ impl Dataset {
         let mut home = None;
         let report = host::timed(id, bytes, "restore", || {
             // Same home address as before the offload: only create and map.
-            let mapped =
-                match Physical::new_at(&self.ctx, bytes, self.shareable, self.location).and_then(|physical| {
+            let mapped = match Physical::new_at(&self.ctx, bytes, self.shareable, self.location)
+                .and_then(|physical| {
                     Mapping::new(reservation, 0, &Arc::new(physical), 0, bytes, &self.access)
                 }) {
-                    Err(Error::OutOfMemory { .. }) => {
-                        let free = driver::memory_info(&self.ctx)
-                            .map(|(free, _)| free)
-                            .unwrap_or(0);
-                        return Err(Error::RestoreOutOfMemory {
-                            dataset: id,
-                            asked: bytes,
-                            free,
-                        });
-                    }
-                    other => other?,
-                };
+                Err(Error::OutOfMemory { .. }) => {
+                    let free = driver::memory_info(&self.ctx)
+                        .map(|(free, _)| free)
+                        .unwrap_or(0);
+                    return Err(Error::RestoreOutOfMemory {
+                        dataset: id,
+                        asked: bytes,
+                        free,
+                    });
+                }
+                other => other?,
+            };
             host::copy::load(copy, stream, mapped.ptr(), bytes)?;
             let used = copy.storage();
             home = Some(mapped);
