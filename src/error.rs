@@ -126,11 +126,19 @@ pub enum Error {
 
     /// An NCCL call failed. `code` is its `ncclResult_t`.
     #[error("{call} failed with NCCL result {code}")]
-    Nccl { call: &'static str, code: i32 },
+    Nccl {
+        /// The NCCL function, e.g. `"ncclAllReduce"`.
+        call: &'static str,
+        /// The `ncclResult_t` it returned (0 is success; 1..=7 are NCCL's error kinds).
+        code: i32,
+    },
 
     /// A library stablebuf loads at run time is not on the loader's path.
     #[error("{library} could not be loaded: put it on LD_LIBRARY_PATH")]
-    LibraryMissing { library: &'static str },
+    LibraryMissing {
+        /// The library's name, e.g. `"libnccl"`.
+        library: &'static str,
+    },
 
     /// No CUDA driver (libcuda) could be loaded on this machine.
     #[error("no CUDA driver found: libcuda could not be loaded")]
@@ -192,11 +200,21 @@ pub enum Error {
 
     /// A device ordinal past the devices this process sees.
     #[error("device {ordinal} does not exist ({count} CUDA devices)")]
-    NoSuchDevice { ordinal: usize, count: usize },
+    NoSuchDevice {
+        /// The ordinal asked for.
+        ordinal: usize,
+        /// How many devices this process sees (ordinals `0..count`).
+        count: usize,
+    },
 
     /// Kernels on device `from` cannot reach memory on device `to` (`cuDeviceCanAccessPeer`).
     #[error("device {from} cannot access memory on device {to}")]
-    PeerAccess { from: usize, to: usize },
+    PeerAccess {
+        /// Ordinal of the device whose kernels would read or write.
+        from: usize,
+        /// Ordinal of the device that holds the memory.
+        to: usize,
+    },
 
     /// A dataset or buffer belongs to another CUDA context (device).
     #[error("object belongs to CUDA device {found}, expected device {expected}")]
