@@ -56,7 +56,6 @@ pub enum HostStorage {
 
 /// Which path a transfer took.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[non_exhaustive]
 pub enum StorageUsed {
     /// A region of the pinned arena.
     Arena,

@@ -10,9 +10,9 @@ use super::book::{ChunkId, TenantId};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct BlockId(pub u64);
 
-/// One thing a pool (or a region) did.
+/// One thing a pool (or a region) did. Not `#[non_exhaustive]`: other logs (the preload
+/// layer's allocation monitor) build events to draw with the same timeline.
 #[derive(Clone, Debug, PartialEq)]
-#[non_exhaustive]
 pub struct Event {
     /// Time since the pool was created.
     pub at: Duration,
