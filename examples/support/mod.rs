@@ -65,6 +65,9 @@ use std::sync::{Arc, OnceLock};
 use comfy_table::{presets::ASCII_MARKDOWN, CellAlignment, Table};
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use stablebuf::cudarc::driver::CudaContext;
+use tracing_subscriber::layer::{Layer, SubscriberExt};
+use tracing_subscriber::registry::LookupSpan;
+use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::EnvFilter;
 
 /// Printed under the error when an example fails before it could open a device.
@@ -128,13 +131,25 @@ pub fn run(common: &Common, body: impl FnOnce() -> stablebuf::Result<()>) -> Exi
 }
 
 /// `RUST_LOG` filters (e.g. `stablebuf=debug` for every driver call, inside its span); without
-/// it, warnings and errors only. Lines go to stderr, with the progress bars suspended.
-fn init_logging() {
+/// it, warnings and errors only. Lines go to stderr, with the progress bars suspended. [`run`]
+/// calls it; call it yourself only on a path that does not go through [`run`] (a child
+/// process that reports its errors its own way). A second call does nothing.
+pub fn init_logging() {
+    let _ = tracing_subscriber::registry().with(log_layer()).try_init();
+}
+
+/// The logging [`init_logging`] installs, as a layer: an example that installs a subscriber of
+/// its own (say, one that collects driver-call timings) adds this to it, so `RUST_LOG` keeps
+/// working, and then [`run`]'s own install is a no-op.
+pub fn log_layer<S>() -> Box<dyn Layer<S> + Send + Sync>
+where
+    S: tracing::Subscriber + for<'a> LookupSpan<'a>,
+{
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn"));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
+    tracing_subscriber::fmt::layer()
         .with_writer(|| BarSafeStderr)
-        .try_init();
+        .with_filter(filter)
+        .boxed()
 }
 
 /// Every progress bar of the process hangs from this, so log lines and the error report can
