@@ -39,6 +39,7 @@
 
 #[path = "decode/mod.rs"]
 mod decode;
+mod support;
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -51,9 +52,7 @@ use decode::loops::{
 };
 use decode::{fill_input, work, Acts, Raw, Shape, Weights};
 use stablebuf::kernels::{Activation, DecodeKernels};
-use stablebuf::{
-    memory_info, open_device, Blas, FencePolicy, Result, Space, SpaceOptions, StableGraph,
-};
+use stablebuf::{memory_info, Blas, FencePolicy, Result, Space, SpaceOptions, StableGraph};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum Act {
@@ -94,9 +93,8 @@ struct Args {
     /// Skip the bind-cost study.
     #[arg(long)]
     skip_bind_study: bool,
-    /// Ignored: harnesses that run every binary as a bench pass it.
-    #[arg(long, hide = true)]
-    bench: bool,
+    #[command(flatten)]
+    common: support::Common,
 }
 
 /// Steps of each chunk whose windows are left out (the pipeline filling).
@@ -108,13 +106,15 @@ const GIB: f64 = (1u64 << 30) as f64;
 fn main() -> ExitCode {
     let args = Args::parse();
     calls::install();
-    match run(&args) {
-        Ok(true) => ExitCode::SUCCESS,
-        Ok(false) => ExitCode::FAILURE,
-        Err(error) => {
-            eprintln!("decode_loop: {error}");
-            ExitCode::FAILURE
-        }
+    let mut checks_passed = true;
+    let code = support::run(&args.common, || {
+        checks_passed = run(&args)?;
+        Ok(())
+    });
+    if checks_passed {
+        code
+    } else {
+        ExitCode::FAILURE
     }
 }
 
@@ -175,7 +175,7 @@ fn run(args: &Args) -> Result<bool> {
         },
     };
     let chunk = args.chunk.max(SKIP + WINDOW + 1).div_ceil(6) * 6;
-    let ctx = open_device(0)?;
+    let ctx = args.common.open_device()?;
     let kernels = Arc::new(DecodeKernels::load(&ctx)?);
     let main_space = Space::new(&ctx, decode::layout(shape)?)?;
     let set_bytes = main_space.placement().groups[0].bytes;
@@ -662,13 +662,15 @@ mod calls {
         }
     }
 
-    /// Installs the collector (off) as the global subscriber.
+    /// Installs the collector (off) as the global subscriber, with the examples' logging
+    /// (`RUST_LOG`) beside it.
     pub fn install() {
         let filter = dynamic_filter_fn(|meta, _| {
             ON.load(Ordering::Relaxed) && meta.target().starts_with("stablebuf")
         });
         let _ = tracing_subscriber::registry()
             .with(Collector.with_filter(filter))
+            .with(super::support::log_layer())
             .try_init();
     }
 

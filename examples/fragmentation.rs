@@ -11,22 +11,45 @@
 //!   and retries.
 //!
 //! Every block that is served is written and checked end to end by kernels. Prints a table and
-//! writes the pool's timeline as `fragmentation-timeline.svg` (into `$STABLEBUF_SVG_DIR` if
-//! set). Exits non-zero if a check fails or an approach that must succeed does not.
+//! writes the pool's timeline as `fragmentation-timeline.svg` (into `--svg-dir`,
+//! `$STABLEBUF_SVG_DIR` by default). Exits non-zero if a check fails or an approach that must
+//! succeed does not.
 
+mod support;
+
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
+use clap::Parser;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use stablebuf::buffer::LinearBuffer;
 use stablebuf::cudarc::driver::{CudaContext, CudaStream};
 use stablebuf::pool::human_bytes;
-use stablebuf::{memory_info, open_device, Block, ElasticPool, Kernels, PoolOptions, Result};
+use stablebuf::{memory_info, Block, ElasticPool, Kernels, PoolOptions, Result};
 
 const CHUNK: usize = 64 << 20;
-const FILL: f64 = 0.92;
-const ASK: f64 = 0.95;
+
+/// Fill the device with 64 MiB blocks, free a random half, then ask for one block near all
+/// the memory left: a block cache over cudaMalloc against stablebuf stitching cached chunks.
+#[derive(Parser)]
+struct Args {
+    /// Share of free device memory to fill with 64 MiB blocks before freeing half.
+    #[arg(long, default_value_t = 0.92, value_parser = support::fraction)]
+    fill: f64,
+    /// Share of what is left (cached, or free + cached) the big request asks for.
+    #[arg(long, default_value_t = 0.95, value_parser = support::fraction)]
+    ask: f64,
+    /// Seed of the random half that is freed (the same for every approach).
+    #[arg(long, default_value_t = 0x00f_4a6)]
+    seed: u64,
+    /// Where the timeline SVG goes.
+    #[arg(long, env = "STABLEBUF_SVG_DIR", default_value = ".")]
+    svg_dir: PathBuf,
+    #[command(flatten)]
+    common: support::Common,
+}
 
 struct Row {
     approach: &'static str,
@@ -39,20 +62,27 @@ struct Row {
 }
 
 fn print_table(rows: &[Row]) {
-    println!("\n| approach | asked | result | ms | new cuMemCreate | mappings | released first |");
-    println!("| --- | --- | --- | --- | --- | --- | --- |");
+    let mut table = support::table([
+        "approach",
+        "asked",
+        "result",
+        "ms",
+        "new cuMemCreate",
+        "mappings",
+        "released first",
+    ]);
     for r in rows {
-        println!(
-            "| {} | {} | {} | {:.1} | {} | {} | {} |",
-            r.approach,
+        table.add_row([
+            r.approach.to_string(),
             human_bytes(r.asked),
-            r.outcome,
-            r.ms,
-            r.creates,
-            r.mappings,
-            r.released
-        );
+            r.outcome.clone(),
+            format!("{:.1}", r.ms),
+            r.creates.clone(),
+            r.mappings.clone(),
+            r.released.clone(),
+        ]);
     }
+    println!("\n{table}");
 }
 
 /// Which of `count` allocations to free: a random half, the same for every approach.
@@ -91,12 +121,16 @@ fn block_cache(
     ctx: &Arc<CudaContext>,
     count: usize,
     freed: &[bool],
+    ask: f64,
     rows: &mut Vec<Row>,
 ) -> Result<()> {
     let mut live = Vec::with_capacity(count);
+    let bar = support::progress(count as u64, "block cache: cudaMalloc 64 MiB blocks");
     for _ in 0..count {
         live.push(LinearBuffer::new(ctx, CHUNK)?);
+        bar.inc(1);
     }
+    bar.finish_and_clear();
     let mut cache = Vec::new();
     let mut kept = Vec::new();
     for (buffer, &free) in live.into_iter().zip(freed) {
@@ -116,10 +150,10 @@ fn block_cache(
         human_bytes(free_now)
     );
     for (what, asked) in [
-        ("of cached", (cached as f64 * ASK) as usize),
+        ("of cached", (cached as f64 * ask) as usize),
         (
             "of free + cached",
-            ((free_now + cached) as f64 * ASK) as usize,
+            ((free_now + cached) as f64 * ask) as usize,
         ),
     ] {
         // No cached block is anywhere near big enough; a cudaMalloc must find the memory.
@@ -139,9 +173,13 @@ fn block_cache(
             mappings: "-".into(),
             released: "0".into(),
         });
-        println!("  95% {what}: {}", rows.last().unwrap().outcome);
+        println!(
+            "  {:.0}% {what}: {}",
+            ask * 100.0,
+            rows.last().unwrap().outcome
+        );
     }
-    let asked = ((free_now + cached) as f64 * ASK) as usize;
+    let asked = ((free_now + cached) as f64 * ask) as usize;
     let start = Instant::now();
     let released = cache.len();
     drop(cache); // release the whole cache, one cudaFree per block
@@ -183,21 +221,26 @@ fn serve(pool: &ElasticPool, tenant: &stablebuf::Tenant, asked: usize) -> Result
     })
 }
 
-fn main() -> Result<()> {
-    let ctx = open_device(0)?;
+fn main() -> std::process::ExitCode {
+    let args = Args::parse();
+    support::run(&args.common, || run(&args))
+}
+
+fn run(args: &Args) -> Result<()> {
+    let ctx = args.common.open_device()?;
     let stream = ctx.new_stream()?;
     let kernels = Kernels::load(&ctx)?;
     let (free, total) = memory_info(&ctx)?;
-    let count = (free as f64 * FILL) as usize / CHUNK;
-    let freed = freed_half(count, 0x00f_4a6);
+    let count = (free as f64 * args.fill) as usize / CHUNK;
+    let freed = freed_half(count, args.seed);
     println!(
         "device: {} free of {}; filling {:.0}% of free with {count} x 64 MiB, freeing a random half",
         human_bytes(free),
         human_bytes(total),
-        FILL * 100.0
+        args.fill * 100.0
     );
     let mut rows = Vec::new();
-    block_cache(&ctx, count, &freed, &mut rows)?;
+    block_cache(&ctx, count, &freed, args.ask, &mut rows)?;
 
     let pool = ElasticPool::new(&ctx, PoolOptions::default())?;
     let tenant = pool.register("model", 2 * total)?;
@@ -216,9 +259,13 @@ fn main() -> Result<()> {
         }
     }
     // The blocks that stay hold a pattern, checked after everything else has run.
+    let kept = blocks.iter().flatten().count() as u64;
+    let bar = support::progress(kept, "stablebuf: write the kept blocks");
     for block in blocks.iter().flatten() {
         kernels.fill_pattern(&stream, block, 0, block.len() / 4, 9)?;
+        bar.inc(1);
     }
+    bar.finish_and_clear();
     let stats = pool.stats();
     let (free_now, _) = memory_info(&ctx)?;
     println!(
@@ -226,8 +273,8 @@ fn main() -> Result<()> {
         human_bytes(free_now)
     );
 
-    let of_cached = (stats.cached as f64 * ASK) as usize;
-    let of_all = ((free_now + stats.cached) as f64 * ASK) as usize;
+    let of_cached = (stats.cached as f64 * args.ask) as usize;
+    let of_all = ((free_now + stats.cached) as f64 * args.ask) as usize;
     for (approach, asked, seed) in [
         ("stablebuf, stitching", of_cached, 1u32),
         ("stablebuf, stitching", of_all, 2),
@@ -259,13 +306,16 @@ fn main() -> Result<()> {
         released: human_bytes(served.released),
     });
     drop(served.block);
+    let bar = support::progress(kept, "stablebuf: check the kept blocks");
     for block in blocks.iter().flatten() {
         let words = block.len() / 4;
         if kernels.pattern_mismatches(&stream, block, 0, words, 9)? != 0 {
             eprintln!("a block that was never freed lost its data");
             std::process::exit(1);
         }
+        bar.inc(1);
     }
+    bar.finish_and_clear();
     print_table(&rows);
     let served_all = rows
         .iter()
@@ -273,8 +323,7 @@ fn main() -> Result<()> {
         .all(|r| r.outcome == "served");
     println!("\npool: {}", pool.stats());
 
-    let dir = std::env::var("STABLEBUF_SVG_DIR").unwrap_or_else(|_| ".".into());
-    let path = std::path::Path::new(&dir).join("fragmentation-timeline.svg");
+    let path = args.svg_dir.join("fragmentation-timeline.svg");
     pool.write_timeline(
         "fragmentation: fill with 64 MiB blocks, free half, stitch, then drain and retry",
         &path,

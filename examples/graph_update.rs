@@ -5,16 +5,34 @@
 
 #[path = "../tests/common/mod.rs"]
 mod common;
+mod support;
 
 use std::sync::Arc;
 use std::time::Instant;
 
+use clap::Parser;
 use common::{assert_matches, cpu_matmul, max_abs_error, random_vec, rng};
-use stablebuf::{open_device, Kernels, Layout, MatmulKernel, Space};
+use stablebuf::{Kernels, Layout, MatmulKernel, Space};
 
-fn main() -> stablebuf::Result<()> {
-    let n = 1024usize;
-    let ctx = open_device(0)?;
+/// Capture a matmul graph once, rebind its inputs to a second dataset at the same addresses,
+/// and replay the same exec on both; checked against the CPU.
+#[derive(Parser)]
+struct Args {
+    /// Matrix size: the graph computes C = A·B with n×n matrices.
+    #[arg(long, default_value_t = 1024, value_parser = support::at_least(1))]
+    n: usize,
+    #[command(flatten)]
+    common: support::Common,
+}
+
+fn main() -> std::process::ExitCode {
+    let args = Args::parse();
+    support::run(&args.common, || run(&args))
+}
+
+fn run(args: &Args) -> stablebuf::Result<()> {
+    let n = args.n;
+    let ctx = args.common.open_device()?;
     let stream = ctx.new_stream()?;
     let kernels = Arc::new(Kernels::load(&ctx)?);
     let layout = Layout::builder()
@@ -27,13 +45,16 @@ fn main() -> stablebuf::Result<()> {
     let mut rng = rng("graph_update");
 
     let mut datasets = Vec::new();
+    let bar = support::progress(2, "inputs and CPU references");
     for _ in 0..2 {
         let (a, b) = (random_vec(&mut rng, n * n), random_vec(&mut rng, n * n));
         let dataset = space.new_dataset("inputs")?;
         dataset.write(&stream, "a", &a)?;
         dataset.write(&stream, "b", &b)?;
         datasets.push((dataset, cpu_matmul(&a, &b, n, n, n)));
+        bar.inc(1);
     }
+    bar.finish_and_clear();
 
     let (a, b, c) = (
         space.slot("a")?.clone(),

@@ -6,67 +6,58 @@
 //! `--check-every` steps and on the last step; any mismatch exits non-zero.
 //!
 //! `cargo run --release --example inference_loop -- [--steps N] [--layers L] [--hidden H]
-//!  [--batch B] [--weight-sets W] [--batches X] [--check-every N] [--ptx]`
+//!  [--batch B] [--weight-sets W] [--batches X] [--check-every N] [--ptx] [--quiet] [--device D]`
+//! (`--help` describes each).
 
 #[path = "../tests/common/mod.rs"]
 mod common;
 #[path = "mlp/mod.rs"]
 mod mlp;
+mod support;
 
-use std::io::Write;
 use std::sync::Arc;
 use std::time::Instant;
 
+use clap::Parser;
 use common::{assert_matches, random_vec, rng};
 use mlp::{cpu_forward, forward, layout, space_work, HostWeights, Pass, Raw, Shape};
 use stablebuf::cudarc::driver::{sys, CudaContext, CudaStream};
 use stablebuf::{
-    open_device, BindStrategy, Blas, Dataset, Kernels, Layout, Pipeline, Result, Space,
-    SpaceOptions, StableGraph,
+    BindStrategy, Blas, Dataset, Kernels, Layout, Pipeline, Result, Space, SpaceOptions,
+    StableGraph,
 };
 
+/// A graph-replay inference loop: an MLP captured once, weight sets and input batches rotated by
+/// rebinding while the same exec replays, against copy-in and re-capture loops; every variant
+/// checked against the CPU.
+#[derive(Parser)]
 struct Args {
-    shape: Shape,
+    /// Steps per variant.
+    #[arg(long, default_value_t = 200, value_parser = support::at_least(1))]
     steps: usize,
+    /// MLP layers.
+    #[arg(long, default_value_t = 3, value_parser = support::at_least(1))]
+    layers: usize,
+    /// Hidden size (the width of every layer).
+    #[arg(long, default_value_t = 4096, value_parser = support::at_least(1))]
+    hidden: usize,
+    /// Rows of each input batch (at least 3: rows 0, batch/2 + 1 and batch − 1 are checked).
+    #[arg(long, default_value_t = 256, value_parser = support::at_least(3))]
+    batch: usize,
+    /// Weight sets the loop rotates through.
+    #[arg(long, default_value_t = 3, value_parser = support::at_least(1))]
     weight_sets: usize,
+    /// Input batches the loop rotates through.
+    #[arg(long, default_value_t = 8, value_parser = support::at_least(1))]
     batches: usize,
+    /// Check the output against the CPU every this many steps (and on the last step).
+    #[arg(long, default_value_t = 50, value_parser = support::at_least(1))]
     check_every: usize,
-}
-
-fn parse_args() -> Args {
-    let mut args = Args {
-        shape: Shape {
-            layers: 3,
-            hidden: 4096,
-            batch: 256,
-            ptx: false,
-        },
-        steps: 200,
-        weight_sets: 3,
-        batches: 8,
-        check_every: 50,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let mut value = || {
-            it.next()
-                .and_then(|v| v.parse::<usize>().ok())
-                .unwrap_or_else(|| panic!("{flag} needs a number"))
-        };
-        match flag.as_str() {
-            "--steps" => args.steps = value(),
-            "--layers" => args.shape.layers = value(),
-            "--hidden" => args.shape.hidden = value(),
-            "--batch" => args.shape.batch = value(),
-            "--weight-sets" => args.weight_sets = value(),
-            "--batches" => args.batches = value(),
-            "--check-every" => args.check_every = value(),
-            "--ptx" => args.shape.ptx = true,
-            "--bench" => {} // passed by harnesses that run every binary as a bench
-            other => panic!("unknown argument {other}"),
-        }
-    }
-    args
+    /// Run the GEMMs with the PTX register-tiled kernel instead of cuBLAS SGEMM.
+    #[arg(long)]
+    ptx: bool,
+    #[command(flatten)]
+    common: support::Common,
 }
 
 struct Data {
@@ -94,17 +85,10 @@ struct Measured {
     launch_us: Vec<f64>,
 }
 
-fn percentile(values: &mut [f64], p: f64) -> f64 {
-    if values.is_empty() {
-        return f64::NAN;
-    }
-    values.sort_by(f64::total_cmp);
-    values[((values.len() - 1) as f64 * p).round() as usize]
-}
-
 /// Runs `steps` steps: `step(i)` returns (bind µs, launch µs) and leaves outputs to `check(i)`,
-/// which syncs and verifies; check time is excluded from the wall time.
-fn run(
+/// which syncs and verifies; check time is excluded from the wall time. The progress bar moves
+/// at the checks only, outside the timed stretches.
+fn measure(
     name: &'static str,
     steps: usize,
     check_every: usize,
@@ -114,6 +98,7 @@ fn run(
 ) -> Result<Measured> {
     let (mut bind_us, mut launch_us) = (Vec::new(), Vec::new());
     let mut wall_s = 0.0;
+    let bar = support::progress(steps as u64, name);
     let mut start = Instant::now();
     for i in 0..steps {
         let (b, l) = step(i)?;
@@ -123,12 +108,11 @@ fn run(
             sync()?;
             wall_s += start.elapsed().as_secs_f64();
             check(i)?;
-            eprint!("\r  {name:<34} step {:>5}/{steps} checked", i + 1);
-            let _ = std::io::stderr().flush();
+            bar.set_position(i as u64 + 1);
             start = Instant::now();
         }
     }
-    eprintln!();
+    bar.finish();
     Ok(Measured {
         name,
         steps,
@@ -144,11 +128,20 @@ fn timed<T>(f: impl FnOnce() -> Result<T>) -> Result<(T, f64)> {
     Ok((value, start.elapsed().as_secs_f64() * 1e6))
 }
 
-fn main() -> Result<()> {
-    let args = parse_args();
-    let shape = args.shape;
+fn main() -> std::process::ExitCode {
+    let args = Args::parse();
+    support::run(&args.common, || run(&args))
+}
+
+fn run(args: &Args) -> Result<()> {
+    let shape = Shape {
+        layers: args.layers,
+        hidden: args.hidden,
+        batch: args.batch,
+        ptx: args.ptx,
+    };
     let (h, b) = (shape.hidden, shape.batch);
-    let ctx: Arc<CudaContext> = open_device(0)?;
+    let ctx: Arc<CudaContext> = args.common.open_device()?;
     let kernels = Arc::new(Kernels::load(&ctx)?);
     let layout = layout(shape)?;
     let stream = ctx.new_stream()?;
@@ -167,6 +160,10 @@ fn main() -> Result<()> {
     // the same layout).
     let probe = Space::new(&ctx, layout.clone())?;
     let scale = 1.0 / (h as f32).sqrt();
+    let bar = support::progress(
+        (args.weight_sets + args.batches) as u64,
+        "weight sets and batches",
+    );
     let data = Data {
         weights: (0..args.weight_sets)
             .map(|_| {
@@ -186,6 +183,7 @@ fn main() -> Result<()> {
                     d.write(&stream, &format!("w{l}"), w)?;
                     d.write(&stream, &format!("b{l}"), bias)?;
                 }
+                bar.inc(1);
                 Ok((d, host))
             })
             .collect::<Result<_>>()?,
@@ -194,10 +192,12 @@ fn main() -> Result<()> {
                 let x = random_vec(&mut rng, b * h);
                 let d = probe.new_dataset("batch")?;
                 d.write(&stream, "x", &x)?;
+                bar.inc(1);
                 Ok((d, x))
             })
             .collect::<Result<_>>()?,
     };
+    bar.finish_and_clear();
     drop(probe);
     let reference = |i: usize, rotate: bool| {
         let (w, x) = if rotate {
@@ -245,7 +245,7 @@ fn main() -> Result<()> {
     }
     end_event.record(&stream)?;
     let gpu_us_per_replay = f64::from(start_event.elapsed_ms(&end_event)?) * 1e3 / 20.0;
-    results.push(run(
+    results.push(measure(
         "replay only (same data)",
         args.steps,
         args.check_every,
@@ -294,7 +294,7 @@ fn main() -> Result<()> {
         };
         let measured = {
             let pipeline_cell = std::cell::RefCell::new(&mut pipeline);
-            run(
+            measure(
                 name,
                 args.steps,
                 args.check_every,
@@ -332,7 +332,7 @@ fn main() -> Result<()> {
     }
 
     // 3. stablebuf, one space: bind (waits for the previous replay), then replay.
-    results.push(run(
+    results.push(measure(
         "stablebuf serial (one space)",
         args.steps,
         args.check_every,
@@ -361,7 +361,7 @@ fn main() -> Result<()> {
     work(&stream)?;
     stream.synchronize()?;
     let static_graph = static_space.capture(&stream, work)?;
-    results.push(run(
+    results.push(measure(
         "copy-in to static buffers",
         args.steps,
         args.check_every,
@@ -384,7 +384,7 @@ fn main() -> Result<()> {
     let scratch = Space::new(&ctx, Layout::builder().scratch("unused", 1).build()?)?;
     let recapture_blas = Arc::new(Blas::new(&stream, space.slot("workspace")?)?);
     let mut previous: Option<StableGraph> = None;
-    results.push(run(
+    results.push(measure(
         "re-capture + instantiate every step",
         args.steps,
         args.check_every,
@@ -438,9 +438,7 @@ fn main() -> Result<()> {
             .find(|m| m.name.starts_with("copy-in"))
             .unwrap(),
     );
-    println!();
-    println!(
-        "{:<40} {:>6} {:>9} {:>10} {:>19} {:>19} {:>8} {:>10}",
+    let mut table = support::table([
         "variant",
         "steps",
         "steps/s",
@@ -448,24 +446,30 @@ fn main() -> Result<()> {
         "bind p50/p99 µs",
         "launch p50/p99 µs",
         "GPU busy",
-        "vs copy-in"
-    );
-    for m in &mut results {
+        "vs copy-in",
+    ]);
+    let p50_p99 = |values: &[f64]| {
+        format!(
+            "{:.1}/{:.1}",
+            support::percentile(values, 0.5),
+            support::percentile(values, 0.99)
+        )
+    };
+    for m in &results {
         let us = per_step(m);
-        println!(
-            "{:<40} {:>6} {:>9.1} {:>10.1} {:>9.1}/{:<9.1} {:>9.1}/{:<9.1} {:>7.0}% {:>9.2}x",
-            m.name,
-            m.steps,
-            1e6 / us,
-            us,
-            percentile(&mut m.bind_us, 0.5),
-            percentile(&mut m.bind_us, 0.99),
-            percentile(&mut m.launch_us, 0.5),
-            percentile(&mut m.launch_us, 0.99),
-            (gpu_us_per_replay / us * 100.0).min(100.0),
-            copy_in / us
-        );
+        table.add_row([
+            m.name.to_string(),
+            m.steps.to_string(),
+            format!("{:.1}", 1e6 / us),
+            format!("{us:.1}"),
+            p50_p99(&m.bind_us),
+            p50_p99(&m.launch_us),
+            format!("{:.0}%", (gpu_us_per_replay / us * 100.0).min(100.0)),
+            format!("{:.2}x", copy_in / us),
+        ]);
     }
+    println!();
+    println!("{table}");
     let find =
         |prefix: &str| per_step(results.iter().find(|m| m.name.starts_with(prefix)).unwrap());
     println!();

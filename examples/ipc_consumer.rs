@@ -4,15 +4,34 @@
 //! an ACK. Started without a socket path, it runs `ipc_producer`, which starts a consumer, so
 //! either binary alone runs the whole exchange.
 
+mod support;
+
 use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
 use std::process::Command;
 
-use stablebuf::{open_device, receive_dataset, send_ack, Layout, Result, Space};
+use clap::Parser;
+use stablebuf::{receive_dataset, send_ack, Layout, Result, Space};
 
 const LEN: usize = 16 << 20;
 
-fn main() -> Result<()> {
-    let Some(path) = std::env::args().nth(1) else {
+/// The consumer of the two-process demo: receives a dataset's file descriptor from
+/// `ipc_producer`, maps it at its own slot address, verifies it and acknowledges.
+#[derive(Parser)]
+struct Args {
+    /// The producer's socket. Without it, this runs `ipc_producer`, which starts a consumer.
+    socket: Option<PathBuf>,
+    #[command(flatten)]
+    common: support::Common,
+}
+
+fn main() -> std::process::ExitCode {
+    let args = Args::parse();
+    support::run(&args.common, || run(&args))
+}
+
+fn run(args: &Args) -> Result<()> {
+    let Some(path) = &args.socket else {
         let producer = std::env::current_exe()
             .map_err(|e| stablebuf::Error::Io {
                 call: "current_exe",
@@ -20,6 +39,7 @@ fn main() -> Result<()> {
             })?
             .with_file_name("ipc_producer");
         let status = Command::new(producer)
+            .args(["--device", &args.common.device.to_string()])
             .status()
             .map_err(|e| stablebuf::Error::Io {
                 call: "spawn ipc_producer",
@@ -27,14 +47,14 @@ fn main() -> Result<()> {
             })?;
         std::process::exit(status.code().unwrap_or(1));
     };
-    let ctx = open_device(0)?;
+    let ctx = args.common.open_device()?;
     let stream = ctx.new_stream()?;
     let layout = Layout::builder()
         .group("data")
         .input("pattern", LEN * 4)
         .build()?;
     let space = Space::new(&ctx, layout)?;
-    let socket = UnixStream::connect(&path).map_err(|e| stablebuf::Error::Io {
+    let socket = UnixStream::connect(path).map_err(|e| stablebuf::Error::Io {
         call: "connect",
         source: e,
     })?;

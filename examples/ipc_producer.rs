@@ -4,15 +4,31 @@
 //! every element and acknowledges. One command runs both: this spawns `ipc_consumer` (the sibling
 //! binary) with the socket path. Exits non-zero on any failure.
 
+mod support;
+
 use std::os::unix::net::UnixListener;
 use std::process::Command;
 
-use stablebuf::{open_device, send_dataset, wait_ack, Layout, Result, Space, SpaceOptions};
+use clap::Parser;
+use stablebuf::{send_dataset, wait_ack, Layout, Result, Space, SpaceOptions};
 
 const LEN: usize = 16 << 20; // u32 elements, 64 MiB
 
-fn main() -> Result<()> {
-    let ctx = open_device(0)?;
+/// The producer of the two-process demo: exports a filled dataset as a file descriptor over a
+/// Unix socket to `ipc_consumer` (started here), which maps and verifies it.
+#[derive(Parser)]
+struct Args {
+    #[command(flatten)]
+    common: support::Common,
+}
+
+fn main() -> std::process::ExitCode {
+    let args = Args::parse();
+    support::run(&args.common, || run(&args))
+}
+
+fn run(args: &Args) -> Result<()> {
+    let ctx = args.common.open_device()?;
     let stream = ctx.new_stream()?;
     let layout = Layout::builder()
         .group("data")
@@ -41,14 +57,14 @@ fn main() -> Result<()> {
             source: e,
         })?
         .with_file_name("ipc_consumer");
-    let mut child =
-        Command::new(&consumer)
-            .arg(&path)
-            .spawn()
-            .map_err(|e| stablebuf::Error::Io {
-                call: "spawn ipc_consumer",
-                source: e,
-            })?;
+    let mut child = Command::new(&consumer)
+        .arg(&path)
+        .args(["--device", &args.common.device.to_string()])
+        .spawn()
+        .map_err(|e| stablebuf::Error::Io {
+            call: "spawn ipc_consumer",
+            source: e,
+        })?;
     let (socket, _) = listener.accept().map_err(|e| stablebuf::Error::Io {
         call: "accept",
         source: e,

@@ -4,35 +4,36 @@
 //!
 //! Run: `cargo run --release --example placement [-- <MiB>]` (default 1024).
 
+mod support;
+
 use std::time::Instant;
 
+use clap::Parser;
 use stablebuf::buffer::copy_between;
-use stablebuf::{open_device, Layout, Location, Result, Space, SpaceOptions, StableGraph};
+use stablebuf::{Layout, Location, Result, Space, SpaceOptions, StableGraph};
 
 const MIB: usize = 1 << 20;
 
-fn main() {
-    if let Err(error) = run() {
-        eprintln!("error: {error}");
-        eprintln!(
-            "this example needs an NVIDIA GPU with a CUDA driver ≥ 12.4; see scripts/gpu-bundle"
-        );
-        std::process::exit(1);
-    }
+/// Replay cost of one graph reading a slot whose dataset sits on this GPU, on a peer GPU or in
+/// pinned host memory: the same exec each time, only the bind changes.
+#[derive(Parser)]
+struct Args {
+    /// Size of the slot the graph reads, in MiB.
+    #[arg(default_value_t = 1024, value_parser = support::at_least(1))]
+    mib: usize,
+    #[command(flatten)]
+    common: support::Common,
 }
 
-fn median(mut values: Vec<f64>) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values[values.len() / 2]
+fn main() -> std::process::ExitCode {
+    let args = Args::parse();
+    support::run(&args.common, || run(&args))
 }
 
-fn run() -> Result<()> {
-    let mib: usize = std::env::args()
-        .nth(1)
-        .and_then(|a| a.parse().ok())
-        .unwrap_or(1024);
+fn run(args: &Args) -> Result<()> {
+    let mib = args.mib;
     let bytes = mib * MIB;
-    let ctx = open_device(0)?;
+    let ctx = args.common.open_device()?;
     let peer = (stablebuf::device_count()? >= 2
         && stablebuf::can_access_peer(0, 1)?
         && stablebuf::can_access_peer(1, 0)?)
@@ -61,16 +62,14 @@ fn run() -> Result<()> {
     })?;
     drop(first);
     println!("graph: one copy that reads the {mib} MiB slot `x` and writes local scratch");
-    println!(
-        "{:<14} {:>12} {:>10} {:>12}",
-        "dataset at", "replay µs", "GB/s", "vs this GPU"
-    );
+    let mut table = support::table(["dataset at", "replay µs", "GB/s", "vs this GPU"]);
+    let mut notes = Vec::new();
     let mut local_us = None;
     for (name, at) in placements {
         let dataset = match space.new_dataset_at("data", at) {
             Ok(dataset) => dataset,
             Err(error) => {
-                println!("{name:<14} not available here: {error}");
+                notes.push(format!("{name}: not available here: {error}"));
                 continue;
             }
         };
@@ -86,16 +85,21 @@ fn run() -> Result<()> {
         }
         let head: Vec<f32> = space.read::<f32>(&stream, "y")?[..1024].to_vec();
         assert_eq!(head, pattern[..1024], "the replay read the bound dataset");
-        let us = median(times[2..].to_vec());
+        let us = support::percentile(&times[2..], 0.5);
         let base = *local_us.get_or_insert(us);
-        println!(
-            "{name:<14} {us:>12.1} {:>10.1} {:>11.2}x",
-            bytes as f64 / us / 1e3,
-            us / base
-        );
+        table.add_row([
+            name.to_string(),
+            format!("{us:.1}"),
+            format!("{:.1}", bytes as f64 / us / 1e3),
+            format!("{:.2}x", us / base),
+        ]);
     }
+    println!("{table}");
     if peer.is_none() {
-        println!("peer GPU       needs a second GPU with peer access (not present here)");
+        notes.push("peer GPU: needs a second GPU with peer access (not present here)".into());
+    }
+    for note in notes {
+        println!("{note}");
     }
     Ok(())
 }

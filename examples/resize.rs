@@ -7,21 +7,38 @@
 //!
 //! Every round writes a seeded pattern before growing and checks it after, on the GPU, then
 //! fills and checks the grown part. Prints average times and ratios, writes the pool's timeline
-//! as `resize-timeline.svg` (into `$STABLEBUF_SVG_DIR` if set), and exits non-zero on any
-//! mismatch.
+//! as `resize-timeline.svg` (into `--svg-dir`, `$STABLEBUF_SVG_DIR` by default), and exits
+//! non-zero on any mismatch.
 
+mod support;
+
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use clap::Parser;
 use stablebuf::buffer::{copy_between, LinearBuffer};
 use stablebuf::cudarc::driver::CudaStream;
 use stablebuf::pool::human_bytes;
-use stablebuf::{open_device, DeviceBuffer, ElasticPool, Error, Kernels, PoolOptions, Result};
+use stablebuf::{DeviceBuffer, ElasticPool, Error, Kernels, PoolOptions, Result};
 
 const MIB: usize = 1 << 20;
 const SMALL: usize = 1536 * MIB;
 const LARGE: usize = 3072 * MIB;
-const ROUNDS: u32 = 10;
+
+/// Grow a 1.5 GiB block to 3 GiB in place (pool cache warm, then fresh memory) against
+/// cudaMalloc + copy + cudaFree, with the data checked on the GPU every round.
+#[derive(Parser)]
+struct Args {
+    /// Rounds per approach.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..))]
+    rounds: u32,
+    /// Where the timeline SVG goes.
+    #[arg(long, env = "STABLEBUF_SVG_DIR", default_value = ".")]
+    svg_dir: PathBuf,
+    #[command(flatten)]
+    common: support::Common,
+}
 
 fn sync(stream: &Arc<CudaStream>) -> Result<()> {
     stream.synchronize().map_err(Error::from)
@@ -61,11 +78,13 @@ fn grow_rounds(
     kernels: &Kernels,
     stream: &Arc<CudaStream>,
     drain_first: bool,
+    count: u32,
     name: &'static str,
 ) -> Result<Timings> {
     let tenant = pool.register(name, 2 * LARGE)?;
     let mut rounds = Vec::new();
-    for round in 0..ROUNDS {
+    let bar = support::progress(count.into(), name);
+    for round in 0..count {
         let seed = 0x5eed_0000 + round;
         let mut block = tenant.alloc_growable(SMALL, LARGE)?;
         let address = block.address();
@@ -84,7 +103,9 @@ fn grow_rounds(
         verify(kernels, stream, &block, 0, SMALL / 4, seed, name)?;
         kernels.fill_pattern(stream, &block, SMALL / 4, (LARGE - SMALL) / 4, seed)?;
         verify(kernels, stream, &block, 0, LARGE / 4, seed, name)?;
+        bar.inc(1);
     }
+    bar.finish_and_clear();
     println!("  {}", tenant.stats()?);
     Ok(Timings { name, rounds })
 }
@@ -93,9 +114,12 @@ fn copy_rounds(
     ctx: &Arc<stablebuf::cudarc::driver::CudaContext>,
     kernels: &Kernels,
     stream: &Arc<CudaStream>,
+    count: u32,
 ) -> Result<Timings> {
+    let name = "cudaMalloc(3 GiB) + copy 1.5 GiB + cudaFree";
     let mut rounds = Vec::new();
-    for round in 0..ROUNDS {
+    let bar = support::progress(count.into(), name);
+    for round in 0..count {
         let seed = 0xc0de_0000 + round;
         let old = LinearBuffer::new(ctx, SMALL)?;
         kernels.fill_pattern(stream, &old, 0, SMALL / 4, seed)?;
@@ -125,30 +149,36 @@ fn copy_rounds(
             seed,
             "cudaMalloc + copy + free",
         )?;
+        bar.inc(1);
     }
-    Ok(Timings {
-        name: "cudaMalloc(3 GiB) + copy 1.5 GiB + cudaFree",
-        rounds,
-    })
+    bar.finish_and_clear();
+    Ok(Timings { name, rounds })
 }
 
-fn main() -> Result<()> {
-    let ctx = open_device(0)?;
+fn main() -> std::process::ExitCode {
+    let args = Args::parse();
+    support::run(&args.common, || run(&args))
+}
+
+fn run(args: &Args) -> Result<()> {
+    let rounds = args.rounds;
+    let ctx = args.common.open_device()?;
     let stream = ctx.new_stream()?;
     let kernels = Kernels::load(&ctx)?;
     let pool = ElasticPool::new(&ctx, PoolOptions::default())?;
     println!(
-        "resize {} -> {}, {ROUNDS} rounds each, data checked on the GPU every round",
+        "resize {} -> {}, {rounds} rounds each, data checked on the GPU every round",
         human_bytes(SMALL),
         human_bytes(LARGE)
     );
 
-    let baseline = copy_rounds(&ctx, &kernels, &stream)?;
+    let baseline = copy_rounds(&ctx, &kernels, &stream, rounds)?;
     let warm = grow_rounds(
         &pool,
         &kernels,
         &stream,
         false,
+        rounds,
         "stablebuf grow, pool cache warm",
     )?;
     let fresh = grow_rounds(
@@ -156,25 +186,24 @@ fn main() -> Result<()> {
         &kernels,
         &stream,
         true,
+        rounds,
         "stablebuf grow, new memory each time",
     )?;
 
     let base = baseline.mean_us();
-    println!("\n| approach | mean µs | first round µs | vs baseline |");
-    println!("| --- | --- | --- | --- |");
+    let mut table = support::table(["approach", "mean µs", "first round µs", "vs baseline"]);
     for t in [&warm, &fresh, &baseline] {
-        println!(
-            "| {} | {:.1} | {:.1} | {:.1}x |",
-            t.name,
-            t.mean_us(),
-            t.rounds[0].as_secs_f64() * 1e6,
-            base / t.mean_us()
-        );
+        table.add_row([
+            t.name.to_string(),
+            format!("{:.1}", t.mean_us()),
+            format!("{:.1}", t.rounds[0].as_secs_f64() * 1e6),
+            format!("{:.1}x", base / t.mean_us()),
+        ]);
     }
+    println!("\n{table}");
     println!("\npool: {}", pool.stats());
 
-    let dir = std::env::var("STABLEBUF_SVG_DIR").unwrap_or_else(|_| ".".into());
-    let path = std::path::Path::new(&dir).join("resize-timeline.svg");
+    let path = args.svg_dir.join("resize-timeline.svg");
     pool.write_timeline(
         "resize 1.5 -> 3 GiB: growth in place (cache warm, then fresh memory)",
         &path,

@@ -4,13 +4,28 @@
 
 #[path = "../tests/common/mod.rs"]
 mod common;
+mod support;
 
+use clap::Parser;
 use common::{assert_matches, cpu_matmul, max_abs_error, random_vec, rng};
-use stablebuf::{memory_info, open_device, Kernels, Layout, MatmulKernel, Space};
+use stablebuf::{memory_info, Kernels, Layout, MatmulKernel, Space};
 
-fn main() -> stablebuf::Result<()> {
+/// Run a matmul on a dataset, release its physical memory, map a second dataset at the same
+/// slot addresses and run the same kernel with the same pointers; checked against the CPU.
+#[derive(Parser)]
+struct Args {
+    #[command(flatten)]
+    common: support::Common,
+}
+
+fn main() -> std::process::ExitCode {
+    let args = Args::parse();
+    support::run(&args.common, || run(&args))
+}
+
+fn run(args: &Args) -> stablebuf::Result<()> {
     let (m, n, k) = (512usize, 384usize, 640usize);
-    let ctx = open_device(0)?;
+    let ctx = args.common.open_device()?;
     let stream = ctx.new_stream()?;
     let kernels = Kernels::load(&ctx)?;
     let layout = Layout::builder()

@@ -8,25 +8,48 @@
 mod common;
 #[path = "mlp/mod.rs"]
 mod mlp;
+mod support;
 
 use std::sync::Arc;
 use std::time::Instant;
 
+use clap::Parser;
 use common::{assert_matches, random_vec, rng};
 use mlp::{cpu_forward, layout, space_work, HostWeights, Shape};
-use stablebuf::{
-    memory_info, open_device, HostArena, HostStorage, Kernels, Result, Space, TransferReport,
-};
+use stablebuf::{memory_info, HostArena, HostStorage, Kernels, Result, Space, TransferReport};
 
-fn main() -> Result<()> {
+/// Sleep and wake a space under a live MLP graph: weights and batch offloaded to a pinned host
+/// arena, scratch released, a replay while asleep refused, and the same exec after wake giving
+/// the pre-sleep output bit for bit.
+#[derive(Parser)]
+struct Args {
+    /// MLP layers.
+    #[arg(long, default_value_t = 3, value_parser = support::at_least(1))]
+    layers: usize,
+    /// Hidden size (the width of every layer).
+    #[arg(long, default_value_t = 4096, value_parser = support::at_least(1))]
+    hidden: usize,
+    /// Rows of the input batch.
+    #[arg(long, default_value_t = 256, value_parser = support::at_least(1))]
+    batch: usize,
+    #[command(flatten)]
+    common: support::Common,
+}
+
+fn main() -> std::process::ExitCode {
+    let args = Args::parse();
+    support::run(&args.common, || run(&args))
+}
+
+fn run(args: &Args) -> Result<()> {
     let shape = Shape {
-        layers: 3,
-        hidden: 4096,
-        batch: 256,
+        layers: args.layers,
+        hidden: args.hidden,
+        batch: args.batch,
         ptx: false,
     };
     let (h, b) = (shape.hidden, shape.batch);
-    let ctx = open_device(0)?;
+    let ctx = args.common.open_device()?;
     let stream = ctx.new_stream()?;
     let kernels = Arc::new(Kernels::load(&ctx)?);
     let space = Space::new(&ctx, layout(shape)?)?;
@@ -130,24 +153,29 @@ fn main() -> Result<()> {
         if identical { "YES" } else { "NO" }
     );
 
-    println!(
-        "\n{:<10} {:>10} {:>10} {:>12} {:>10}  storage",
-        "dataset", "MiB", "offload ms", "offload GB/s", "restore GB/s"
-    );
+    let mut table = support::table([
+        "dataset",
+        "MiB",
+        "offload ms",
+        "offload GB/s",
+        "restore GB/s",
+        "storage",
+    ]);
     for (name, (o, r)) in ["weights", "batch"]
         .iter()
         .zip(offloads.iter().zip(&restores))
     {
         let ms = |t: &TransferReport| t.elapsed.as_secs_f64() * 1e3;
-        println!(
-            "{name:<10} {:>10} {:>10.2} {:>12.1} {:>10.1}  {:?}",
-            o.bytes >> 20,
-            ms(o),
-            o.gb_per_s(),
-            r.gb_per_s(),
-            o.storage
-        );
+        table.add_row([
+            name.to_string(),
+            (o.bytes >> 20).to_string(),
+            format!("{:.2}", ms(o)),
+            format!("{:.1}", o.gb_per_s()),
+            format!("{:.1}", r.gb_per_s()),
+            format!("{:?}", o.storage),
+        ]);
     }
+    println!("\n{table}");
     if !identical {
         std::process::exit(1);
     }

@@ -13,16 +13,43 @@
 //! libnccl on the loader's path (PyTorch's `nvidia/nccl/lib`, linked as `libnccl.so`); with one
 //! GPU it runs one rank (the all-reduce is then a copy). Set NCCL_NVLS_ENABLE=0.
 
-use std::process::Command;
+mod support;
+
+use std::process::{Command, ExitCode};
 use std::sync::Arc;
 use std::time::Instant;
 
+use clap::Parser;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use stablebuf::collective::{Collective, CollectiveId};
 use stablebuf::{
     open_device, BindStrategy, Blas, Dataset, Kernels, Layout, Result, Space, SpaceOptions,
     StableGraph, RECOMMENDED_WORKSPACE,
 };
+
+/// A tensor-parallel MLP layer, one process per GPU, with NCCL (libnccl must be on the loader's
+/// path): captured once per rank, weight set and batch rebound every step, against copy-in,
+/// with and without NCCL buffer registration.
+#[derive(Parser)]
+struct Args {
+    /// Ranks (processes, one GPU each, from `--device` on); default: up to 2, one per GPU.
+    #[arg(long, value_parser = support::at_least(1))]
+    ranks: Option<usize>,
+    /// Rows of the batch.
+    #[arg(long, default_value_t = 8, value_parser = support::at_least(1))]
+    batch: usize,
+    /// Hidden size (input and output width of the layer).
+    #[arg(long, default_value_t = 1024, value_parser = support::at_least(1))]
+    hidden: usize,
+    /// Inner width of the layer, split evenly across ranks.
+    #[arg(long, default_value_t = 4096, value_parser = support::at_least(1))]
+    ffn: usize,
+    /// Steps per variant.
+    #[arg(long, default_value_t = 30, value_parser = support::at_least(1))]
+    steps: usize,
+    #[command(flatten)]
+    common: support::Common,
+}
 
 const SETS: usize = 3;
 const BATCHES: usize = 2;
@@ -41,42 +68,38 @@ impl Shape {
     }
 }
 
-fn main() {
-    let code = match std::env::var("STABLEBUF_RANK") {
-        Ok(rank) => match rank_main(rank.parse().unwrap_or(0)) {
-            Ok(()) => 0,
+fn main() -> ExitCode {
+    let args = Args::parse();
+    if let Ok(rank) = std::env::var("STABLEBUF_RANK") {
+        support::init_logging();
+        return match rank_main(rank.parse().unwrap_or(0), &args) {
+            Ok(()) => ExitCode::SUCCESS,
             Err(error) => {
                 eprintln!("rank {rank}: error: {error}");
-                1
+                ExitCode::FAILURE
             }
-        },
-        Err(_) => match launch() {
-            Ok(code) => code,
-            Err(error) => {
-                eprintln!("error: {error}");
-                eprintln!(
-                    "this example needs an NVIDIA GPU with a CUDA driver ≥ 12.4 and libnccl; see scripts/gpu-bundle"
-                );
-                1
-            }
-        },
-    };
-    std::process::exit(code);
-}
-
-fn arg(name: &str, default: usize) -> usize {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
+        };
+    }
+    let mut ranks_passed = true;
+    let code = support::run(&args.common, || {
+        ranks_passed = launch(&args)? == 0;
+        Ok(())
+    });
+    if ranks_passed {
+        code
+    } else {
+        ExitCode::FAILURE
+    }
 }
 
 /// Starts one process per rank with the communicator's id, and waits for all of them.
-fn launch() -> Result<i32> {
-    let gpus = stablebuf::device_count()?;
-    let world = arg("--ranks", gpus.min(2)).clamp(1, gpus.max(1));
+fn launch(args: &Args) -> Result<i32> {
+    // `device_count` panics in cudarc where there is no libcuda: ask first.
+    if !stablebuf::driver_present() {
+        return Err(stablebuf::Error::NoDriver);
+    }
+    let gpus = stablebuf::device_count()?.saturating_sub(args.common.device);
+    let world = args.ranks.unwrap_or(gpus.min(2)).clamp(1, gpus.max(1));
     if world > gpus {
         eprintln!("asked for {world} ranks, {gpus} GPUs");
     }
@@ -123,7 +146,9 @@ fn launch() -> Result<i32> {
 /// Row-major `rows × cols` values from `seed` (the same on every rank).
 fn matrix(seed: u64, rows: usize, cols: usize, scale: f32) -> Vec<f32> {
     let mut rng = StdRng::seed_from_u64(seed);
-    (0..rows * cols).map(|_| rng.gen_range(-scale..scale)).collect()
+    (0..rows * cols)
+        .map(|_| rng.gen_range(-scale..scale))
+        .collect()
 }
 
 /// The full layer's weights of set `set`: W1 (hidden × ffn), b1 (ffn), W2 (ffn × hidden).
@@ -243,7 +268,14 @@ fn build(
     space.bind(&batches[0])?;
     let blas = Blas::new(stream, space.slot("workspace")?)?;
     let slot = |name: &str| space.slot(name).cloned();
-    let (x, w1, b1, w2, h, y) = (slot("x")?, slot("w1")?, slot("b1")?, slot("w2")?, slot("h")?, slot("y")?);
+    let (x, w1, b1, w2, h, y) = (
+        slot("x")?,
+        slot("w1")?,
+        slot("b1")?,
+        slot("w2")?,
+        slot("h")?,
+        slot("y")?,
+    );
     let (kernels, collective) = (kernels.clone(), collective.clone());
     let (b, hd, s) = (shape.batch, shape.hidden, shape.shard());
     let graph = space.capture(stream, move |st| {
@@ -267,26 +299,26 @@ enum Registration {
     AfterEveryBind,
 }
 
-fn rank_main(rank: usize) -> Result<()> {
+fn rank_main(rank: usize, args: &Args) -> Result<()> {
     let world: usize = std::env::var("STABLEBUF_WORLD")
         .ok()
         .and_then(|w| w.parse().ok())
         .unwrap_or(1);
     let id = CollectiveId::from_hex(&std::env::var("STABLEBUF_NCCL_ID").unwrap_or_default())?;
     let shape = Shape {
-        batch: arg("--batch", 8),
-        hidden: arg("--hidden", 1024),
-        ffn: arg("--ffn", 4096),
+        batch: args.batch,
+        hidden: args.hidden,
+        ffn: args.ffn,
         world,
     };
-    if shape.ffn % world != 0 {
+    if !shape.ffn.is_multiple_of(world) {
         return Err(stablebuf::Error::InvalidShape(format!(
             "ffn {} is not divisible by {world} ranks",
             shape.ffn
         )));
     }
-    let steps = arg("--steps", 30);
-    let ctx = open_device(rank)?;
+    let steps = args.steps;
+    let ctx = open_device(args.common.device + rank)?;
     let stream = ctx.new_stream()?;
     let kernels = Arc::new(Kernels::load(&ctx)?);
     let collective = Collective::join(&ctx, rank, world, id)?;
@@ -314,7 +346,11 @@ fn rank_main(rank: usize) -> Result<()> {
             &inputs,
         )?;
         let modes: &[Registration] = if strategy == BindStrategy::Remap {
-            &[Registration::None, Registration::Once, Registration::AfterEveryBind]
+            &[
+                Registration::None,
+                Registration::Once,
+                Registration::AfterEveryBind,
+            ]
         } else {
             &[Registration::None]
         };
@@ -328,8 +364,13 @@ fn rank_main(rank: usize) -> Result<()> {
             for step in 0..steps {
                 let (set, index) = (step % SETS, step % BATCHES);
                 // Poison what the layer writes, so a replay that does nothing cannot pass.
-                r.space.write(&stream, "h", &vec![f32::NAN; shape.batch * shape.shard()])?;
-                r.batches[index].write(&stream, "y", &vec![f32::NAN; shape.batch * shape.hidden])?;
+                r.space
+                    .write(&stream, "h", &vec![f32::NAN; shape.batch * shape.shard()])?;
+                r.batches[index].write(
+                    &stream,
+                    "y",
+                    &vec![f32::NAN; shape.batch * shape.hidden],
+                )?;
                 stream.synchronize()?;
                 let start = Instant::now();
                 r.space.bind(&r.weights[set])?;
@@ -345,7 +386,7 @@ fn rank_main(rank: usize) -> Result<()> {
                 let want = &expected[set][index];
                 for (i, (g, w)) in got.iter().zip(want).enumerate() {
                     let error = (g - w).abs() / w.abs().max(1.0);
-                    if !(error <= 2e-3) {
+                    if error.is_nan() || error > 2e-3 {
                         return Err(stablebuf::Error::InvalidShape(format!(
                             "{name} ({mode:?}), step {step}: y[{i}] = {g}, CPU {w}"
                         )));
@@ -354,8 +395,7 @@ fn rank_main(rank: usize) -> Result<()> {
                 }
             }
             drop(registered);
-            times.sort_by(f64::total_cmp);
-            let median = times[times.len() / 2];
+            let median = support::percentile(&times, 0.5);
             results.push((name, mode, median, worst));
         }
     }
@@ -365,14 +405,23 @@ fn rank_main(rank: usize) -> Result<()> {
             "rank 0 of {world}: batch {}, hidden {}, ffn {} ({} per rank), {steps} steps, {SETS} weight sets rotated every step",
             shape.batch, shape.hidden, shape.ffn, shape.shard()
         );
-        println!("{:<10} {:<18} {:>12} {:>10} {:>12}", "variant", "registration", "µs/step", "vs rebind", "max rel err");
+        let mut table = support::table([
+            "variant",
+            "registration",
+            "µs/step",
+            "vs rebind",
+            "max rel err",
+        ]);
         for (name, mode, median, worst) in &results {
-            println!(
-                "{name:<10} {:<18} {median:>12.1} {:>9.2}x {worst:>12.2e}",
+            table.add_row([
+                name.to_string(),
                 format!("{mode:?}"),
-                median / rebind
-            );
+                format!("{median:.1}"),
+                format!("{:.2}x", median / rebind),
+                format!("{worst:.2e}"),
+            ]);
         }
+        println!("{table}");
     }
     Ok(())
 }

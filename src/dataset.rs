@@ -28,7 +28,9 @@ use crate::view::{self, SlotView};
 /// One slot of a dataset, at an offset from the dataset's start.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DatasetSlot {
+    /// The slot's name in the layout.
     pub name: String,
+    /// Input or output (a dataset holds no scratch slots).
     pub role: Role,
     /// Offset inside the dataset (a multiple of the granularity).
     pub offset: usize,
@@ -177,10 +179,15 @@ impl Dataset {
         self.layout_fingerprint
     }
 
+    /// The group's slots, in layout order, with their offsets inside this dataset: slot `s`
+    /// is at [`home_ptr`](Self::home_ptr)` + s.offset` here, and at the space's slot address
+    /// when bound.
     pub fn slots(&self) -> &[DatasetSlot] {
         &self.slots
     }
 
+    /// The CUDA context (device) whose memory this is; it binds only into spaces of the same
+    /// device.
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
     }
@@ -203,7 +210,8 @@ impl Dataset {
 
     /// A new file descriptor for this dataset's memory, owned by the caller (closed on drop), for
     /// passing to another process. The dataset must come from a space with
-    /// `SpaceOptions::shareable`; [`send_dataset`](crate::send_dataset) does this and sends it.
+    /// [`SpaceOptions::shareable`](crate::SpaceOptions::shareable);
+    /// [`send_dataset`](crate::send_dataset) does this and sends it.
     pub fn export(&self) -> Result<std::os::fd::OwnedFd> {
         self.physical()?.export()
     }
@@ -223,6 +231,7 @@ impl Dataset {
         self.tag = Some(tag.into());
     }
 
+    /// The label set by [`set_tag`](Self::set_tag), if any.
     pub fn tag(&self) -> Option<&str> {
         self.tag.as_deref()
     }
@@ -317,22 +326,22 @@ impl Dataset {
         let mut home = None;
         let report = host::timed(id, bytes, "restore", || {
             // Same home address as before the offload: only create and map.
-            let mapped =
-                match Physical::new_at(&self.ctx, bytes, self.shareable, self.location).and_then(|physical| {
+            let mapped = match Physical::new_at(&self.ctx, bytes, self.shareable, self.location)
+                .and_then(|physical| {
                     Mapping::new(reservation, 0, &Arc::new(physical), 0, bytes, &self.access)
                 }) {
-                    Err(Error::OutOfMemory { .. }) => {
-                        let free = driver::memory_info(&self.ctx)
-                            .map(|(free, _)| free)
-                            .unwrap_or(0);
-                        return Err(Error::RestoreOutOfMemory {
-                            dataset: id,
-                            asked: bytes,
-                            free,
-                        });
-                    }
-                    other => other?,
-                };
+                Err(Error::OutOfMemory { .. }) => {
+                    let free = driver::memory_info(&self.ctx)
+                        .map(|(free, _)| free)
+                        .unwrap_or(0);
+                    return Err(Error::RestoreOutOfMemory {
+                        dataset: id,
+                        asked: bytes,
+                        free,
+                    });
+                }
+                other => other?,
+            };
             host::copy::load(copy, stream, mapped.ptr(), bytes)?;
             let used = copy.storage();
             home = Some(mapped);

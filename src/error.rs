@@ -12,35 +12,54 @@ pub enum Error {
     /// A CUDA driver call failed. `call` is the driver function's name.
     #[error("{call} failed with {result:?} ({bytes} bytes)")]
     Driver {
+        /// The driver function, e.g. `"cuMemMap"`.
         call: &'static str,
+        /// The code the driver returned.
         result: CUresult,
+        /// Bytes the call concerned (the size mapped, copied or allocated); 0 where it has none.
         bytes: usize,
     },
 
     /// The driver could not provide physical memory.
     #[error("{call}: out of device memory asking for {bytes} bytes")]
-    OutOfMemory { call: &'static str, bytes: usize },
+    OutOfMemory {
+        /// The driver function that ran out, e.g. `"cuMemCreate"`.
+        call: &'static str,
+        /// Bytes it was asked for.
+        bytes: usize,
+    },
 
     /// A cuBLAS call failed. `call` is the cuBLAS function's name.
     #[error("{call} failed with {status:?}")]
     Cublas {
+        /// The cuBLAS function, e.g. `"cublasSgemm_v2"`.
         call: &'static str,
+        /// The status cuBLAS returned.
         status: cudarc::cublas::sys::cublasStatus_t,
     },
 
     /// Host memory for an offload could not be allocated; the dataset stays on the device.
     #[error("could not allocate {bytes} bytes of host memory")]
-    HostOutOfMemory { bytes: usize },
+    HostOutOfMemory {
+        /// Bytes of host memory that were asked for.
+        bytes: usize,
+    },
 
     /// The dataset is offloaded: restore it before binding, viewing or copying it.
     #[error("dataset {dataset} is offloaded to the host")]
-    Offloaded { dataset: u64 },
+    Offloaded {
+        /// The dataset's id ([`Dataset::id`](crate::Dataset::id)).
+        dataset: u64,
+    },
 
     /// A restore found too little device memory; the host copy is kept and a later retry works.
     #[error("restoring dataset {dataset} needs {asked} bytes of device memory, {free} are free")]
     RestoreOutOfMemory {
+        /// The id of the dataset (or region) being restored.
         dataset: u64,
+        /// Bytes of device memory the restore needs.
         asked: usize,
+        /// Bytes free on the device when it was refused (`cuMemGetInfo`; 0 if that failed too).
         free: usize,
     },
 
@@ -50,20 +69,33 @@ pub enum Error {
 
     /// The region is asleep: its physical memory is released. Wake it first.
     #[error("region `{tag}` is asleep: wake it first")]
-    RegionAsleep { tag: String },
+    RegionAsleep {
+        /// The region's tag.
+        tag: String,
+    },
 
     /// No allocation of the region starts at this address.
     #[error("no allocation starts at {address:#x}")]
-    UnknownAllocation { address: u64 },
+    UnknownAllocation {
+        /// The device address that was given.
+        address: u64,
+    },
 
     /// A snapshot cannot be bound into this region.
     #[error("region `{tag}`: {reason}")]
-    SnapshotMismatch { tag: String, reason: String },
+    SnapshotMismatch {
+        /// The tag of the region asked to bind it.
+        tag: String,
+        /// What differs (another region, another span, ...), in words.
+        reason: String,
+    },
 
-    /// A socket call failed.
+    /// An operating-system call failed: a socket call, or writing a timeline file.
     #[error("{call}: {source}")]
     Io {
+        /// The call, e.g. `"sendmsg"`, `"recvmsg"` or `"write"`.
         call: &'static str,
+        /// The operating system's error.
         source: std::io::Error,
     },
 
@@ -73,23 +105,40 @@ pub enum Error {
 
     /// The peer refused what was sent, saying why.
     #[error("the peer rejected the dataset: {reason}")]
-    Rejected { reason: String },
+    Rejected {
+        /// The peer's reason, as it sent it.
+        reason: String,
+    },
 
-    /// Export asked of memory not created shareable (`SpaceOptions::shareable`).
+    /// Export asked of memory not created shareable
+    /// ([`SpaceOptions::shareable`](crate::SpaceOptions::shareable)).
     #[error("the dataset was not created shareable")]
     NotShareable,
 
     /// A dataset offered by another process lives on another GPU.
     #[error("the dataset is on another device (uuid {found:02x?}, this one {expected:02x?})")]
-    DeviceMismatch { expected: [u8; 16], found: [u8; 16] },
+    DeviceMismatch {
+        /// The UUID of this process's device.
+        expected: [u8; 16],
+        /// The UUID of the device the dataset lives on.
+        found: [u8; 16],
+    },
 
     /// An NCCL call failed. `code` is its `ncclResult_t`.
     #[error("{call} failed with NCCL result {code}")]
-    Nccl { call: &'static str, code: i32 },
+    Nccl {
+        /// The NCCL function, e.g. `"ncclAllReduce"`.
+        call: &'static str,
+        /// The `ncclResult_t` it returned (0 is success; 1..=7 are NCCL's error kinds).
+        code: i32,
+    },
 
     /// A library stablebuf loads at run time is not on the loader's path.
     #[error("{library} could not be loaded: put it on LD_LIBRARY_PATH")]
-    LibraryMissing { library: &'static str },
+    LibraryMissing {
+        /// The library's name, e.g. `"libnccl"`.
+        library: &'static str,
+    },
 
     /// No CUDA driver (libcuda) could be loaded on this machine.
     #[error("no CUDA driver found: libcuda could not be loaded")]
@@ -97,11 +146,17 @@ pub enum Error {
 
     /// A slot was declared with zero bytes.
     #[error("slot `{slot}` has zero size")]
-    ZeroSizeSlot { slot: String },
+    ZeroSizeSlot {
+        /// The slot's name.
+        slot: String,
+    },
 
     /// Two slots share a name.
     #[error("slot `{slot}` is declared twice")]
-    DuplicateSlot { slot: String },
+    DuplicateSlot {
+        /// The name declared twice.
+        slot: String,
+    },
 
     /// A layout with no slots.
     #[error("a layout needs at least one slot")]
@@ -113,49 +168,82 @@ pub enum Error {
 
     /// The named slot is not in this layout (or not in this dataset's group).
     #[error("unknown slot `{slot}`")]
-    UnknownSlot { slot: String },
+    UnknownSlot {
+        /// The name that was asked for.
+        slot: String,
+    },
 
     /// The named group is not in this layout, or holds only scratch slots.
     #[error("unknown slot group `{group}`")]
-    UnknownGroup { group: String },
+    UnknownGroup {
+        /// The name that was asked for.
+        group: String,
+    },
 
     /// The slot is scratch: it lives in the space's resident backing, not in datasets.
     #[error("slot `{slot}` is scratch and belongs to no dataset")]
-    ScratchSlot { slot: String },
+    ScratchSlot {
+        /// The scratch slot's name.
+        slot: String,
+    },
 
     /// A dataset made for one layout was offered to a space of another.
     #[error("dataset of group `{group}` was made for layout {dataset_layout:016x}, this space has layout {space_layout:016x}")]
     LayoutMismatch {
+        /// The dataset's group.
         group: String,
+        /// Fingerprint of the layout the dataset was made for ([`Layout::fingerprint`](crate::Layout::fingerprint)).
         dataset_layout: u64,
+        /// Fingerprint of the space's layout.
         space_layout: u64,
     },
 
     /// A device ordinal past the devices this process sees.
     #[error("device {ordinal} does not exist ({count} CUDA devices)")]
-    NoSuchDevice { ordinal: usize, count: usize },
+    NoSuchDevice {
+        /// The ordinal asked for.
+        ordinal: usize,
+        /// How many devices this process sees (ordinals `0..count`).
+        count: usize,
+    },
 
     /// Kernels on device `from` cannot reach memory on device `to` (`cuDeviceCanAccessPeer`).
     #[error("device {from} cannot access memory on device {to}")]
-    PeerAccess { from: usize, to: usize },
+    PeerAccess {
+        /// Ordinal of the device whose kernels would read or write.
+        from: usize,
+        /// Ordinal of the device that holds the memory.
+        to: usize,
+    },
 
     /// A dataset or buffer belongs to another CUDA context (device).
     #[error("object belongs to CUDA device {found}, expected device {expected}")]
-    ContextMismatch { expected: usize, found: usize },
+    ContextMismatch {
+        /// Ordinal of the device of the space (or pool) that was asked.
+        expected: usize,
+        /// Ordinal of the device the object belongs to.
+        found: usize,
+    },
 
     /// Host data whose size does not match the slot.
     #[error("slot `{slot}` holds {slot_bytes} bytes, host data has {host_bytes}")]
     HostLength {
+        /// The slot's name.
         slot: String,
+        /// Bytes the slot holds.
         slot_bytes: usize,
+        /// Bytes of the host data given.
         host_bytes: usize,
     },
 
     /// The slot's byte size is not a whole number of elements of the requested type.
     #[error("slot `{slot}` ({bytes} bytes) is not a whole number of {elem_bytes}-byte elements")]
     ElementSize {
+        /// The slot's name.
         slot: String,
+        /// The slot's size in bytes.
         bytes: usize,
+        /// `size_of` the element type asked for.
         elem_bytes: usize,
     },
 
@@ -166,17 +254,24 @@ pub enum Error {
 
     /// A replay (or slot access) needs the group's dataset bound, and it is not.
     #[error("slot group `{group}` has no dataset bound")]
-    Unbound { group: String },
+    Unbound {
+        /// The group with nothing bound (for a region, its tag).
+        group: String,
+    },
 
     /// A kernel helper was given buffers too small for the shape asked for.
     #[error("{what}: needs {needed} bytes, buffer has {available}")]
     BufferTooSmall {
+        /// Which operand of which operation, e.g. `"matmul a"`.
         what: &'static str,
+        /// Bytes the shape asked for needs (offset included).
         needed: usize,
+        /// Bytes the buffer has ([`DeviceBuffer::byte_len`](crate::DeviceBuffer::byte_len)).
         available: usize,
     },
 
-    /// A dimension that must be positive and fit the kernel's `int` arguments does not.
+    /// A dimension that must be positive and fit the kernel's `int` arguments does not. The
+    /// text names the dimension and its value.
     #[error("invalid shape: {0}")]
     InvalidShape(String),
 
@@ -192,9 +287,13 @@ pub enum Error {
     /// released). `cached` and `held` are the pool's figures when the request came.
     #[error("pool out of device memory: asked {asked} bytes with {held} held and {cached} cached; drained {drained}, the driver still refused")]
     PoolOutOfMemory {
+        /// Bytes the request asked for.
         asked: usize,
+        /// Bytes the pool had cached (unmapped, kept for reuse) when the request came.
         cached: usize,
+        /// Bytes of physical memory mapped into the pool's blocks when the request came.
         held: usize,
+        /// Bytes of cache released before the retry.
         drained: usize,
     },
 
@@ -202,30 +301,47 @@ pub enum Error {
     /// releasing the cache. Nothing was allocated.
     #[error("over budget ({scope}): asked {asked} bytes, limit {limit}, {held} already held")]
     OverBudget {
+        /// Which limit: `"pool budget"` or `` "tenant `name`'s limit" ``.
         scope: String,
+        /// Bytes the request asked for.
         asked: usize,
+        /// The limit, in bytes.
         limit: usize,
+        /// Bytes already mapped under that limit (the tenant's blocks, or every tenant's for the
+        /// pool budget).
         held: usize,
     },
 
     /// A tenant's virtual address capacity has no free run long enough for the request.
     #[error("tenant `{tenant}`: no {asked}-byte range free in its {capacity}-byte reservation (largest free run {largest_free_run})")]
     VirtualCapacity {
+        /// The tenant's (or region's) name.
         tenant: String,
+        /// Bytes of addresses the request needs (granule-rounded).
         asked: usize,
+        /// Bytes of addresses the tenant reserved.
         capacity: usize,
+        /// The longest free stretch of its reservation, in bytes.
         largest_free_run: usize,
     },
 
     /// A block was asked to grow past the virtual capacity it reserved.
     #[error("cannot grow a block to {asked} bytes: it reserved {capacity}")]
-    BeyondCapacity { asked: usize, capacity: usize },
+    BeyondCapacity {
+        /// The length asked for, in bytes.
+        asked: usize,
+        /// The block's reserved capacity, in bytes.
+        capacity: usize,
+    },
 
     /// The block's tenant was unregistered: its memory is gone.
     #[error("tenant `{tenant}` was unregistered; its blocks hold no memory")]
-    TenantGone { tenant: String },
+    TenantGone {
+        /// The tenant's name.
+        tenant: String,
+    },
 
-    /// Rendering the timeline picture failed.
+    /// Rendering the timeline picture failed; the text is the renderer's (or the file's) error.
     #[error("rendering the timeline: {0}")]
     Timeline(String),
 
@@ -251,24 +367,51 @@ impl Error {
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum ProtocolError {
+    /// The message (or the stream, mid-message) ended before a part it announces.
     #[error("message truncated: needed {needed} bytes, got {got}")]
-    Truncated { needed: usize, got: usize },
+    Truncated {
+        /// Bytes needed to the end of the part being read.
+        needed: usize,
+        /// Bytes that arrived.
+        got: usize,
+    },
+    /// The first bytes are not stablebuf's magic: the peer speaks something else.
     #[error("not a stablebuf message (bad magic)")]
     BadMagic,
+    /// The peer speaks another version of the protocol.
     #[error("protocol version {got}, this build speaks {supported}")]
-    Version { got: u16, supported: u16 },
+    Version {
+        /// The peer's version.
+        got: u16,
+        /// [`PROTOCOL_VERSION`](crate::share::PROTOCOL_VERSION) of this build.
+        supported: u16,
+    },
+    /// The message kind byte names no known message (the value is that byte).
     #[error("unknown message kind {0}")]
     UnknownKind(u8),
+    /// A string field (a group name, a reason) is not valid UTF-8.
     #[error("a string field is not UTF-8")]
     BadUtf8,
+    /// The announced length (the value, in bytes) exceeds
+    /// [`MAX_MESSAGE`](crate::share::MAX_MESSAGE).
     #[error("message of {0} bytes is over the limit")]
     TooLarge(usize),
+    /// An offer came without the file descriptor of its memory.
     #[error("an offer arrived without its file descriptor")]
     MissingFd,
+    /// More descriptors came than a message carries (they are closed, not leaked).
     #[error("{count} file descriptors arrived where at most one was expected")]
-    UnexpectedFds { count: usize },
+    UnexpectedFds {
+        /// How many arrived.
+        count: usize,
+    },
+    /// The peer closed the connection where a new message should have begun.
     #[error("the peer closed the connection")]
     Closed,
+    /// A valid message of the wrong kind for this point of the exchange.
     #[error("expected {expected}, got another message")]
-    Unexpected { expected: &'static str },
+    Unexpected {
+        /// The kind that was expected, e.g. `"an ack"`.
+        expected: &'static str,
+    },
 }

@@ -8,8 +8,9 @@
 //!   miss a stream, including ones stablebuf never saw (a raw `launch_builder` on a slot).
 //! - [`FencePolicy::AttachedStreams`] waits only for the streams attached to the space: those
 //!   its graphs were captured or replayed on, its views and copies used, and any passed to
-//!   `Space::attach`. That lets one space rebind while another space's replay runs (pipelining),
-//!   and makes attaching every stream that touches the space the caller's duty.
+//!   [`Space::attach`](crate::Space::attach). That lets one space rebind while another space's
+//!   replay runs (pipelining), and makes attaching every stream that touches the space the
+//!   caller's duty.
 
 use std::cell::Cell;
 use std::sync::Arc;

@@ -61,9 +61,12 @@ impl UpdateOutcome {
     }
 }
 
-/// The result of an update check.
+/// The result of an update check ([`StableGraph::check_update`]).
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct UpdateReport {
+    /// What `cuGraphExecUpdate` said; [`UpdateOutcome::Success`] means the existing
+    /// executable now runs the re-captured work.
     pub outcome: UpdateOutcome,
     /// Index (in [`StableGraph::node_kinds`] order of the re-captured graph) of the node the
     /// driver blamed, if it named one.
@@ -75,29 +78,46 @@ pub struct UpdateReport {
 }
 
 impl UpdateReport {
+    /// Whether the executable took the re-captured graph (no re-instantiation needed).
     pub fn is_success(&self) -> bool {
         self.outcome == UpdateOutcome::Success
     }
 }
 
-/// The kind of a graph node.
+/// The kind of a graph node (the driver's `CUgraphNodeType`), as listed by
+/// [`StableGraph::node_kinds`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum NodeKind {
+    /// A kernel launch (cuBLAS calls show up as one or more of these).
     Kernel,
+    /// A memory copy.
     Memcpy,
+    /// A memory set (fill).
     Memset,
+    /// A host function call.
     Host,
+    /// A nested graph.
     ChildGraph,
+    /// A node with no work, used for dependencies.
     Empty,
+    /// A wait on an event.
     WaitEvent,
+    /// An event record.
     EventRecord,
+    /// A signal of an external semaphore.
     ExternalSemaphoreSignal,
+    /// A wait on an external semaphore.
     ExternalSemaphoreWait,
+    /// A stream-ordered allocation made during the capture.
     MemAlloc,
+    /// A stream-ordered free made during the capture.
     MemFree,
+    /// A batch of memory operations (waits and writes on device memory).
     BatchMemOp,
+    /// A conditional node (if/while/switch).
     Conditional,
+    /// A node type this build does not know, with its raw code.
     Other(u32),
 }
 

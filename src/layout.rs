@@ -20,17 +20,23 @@ use crate::hash::fnv1a64;
 /// lives in memory the space owns and is never swapped.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Role {
+    /// Data a graph reads: lives in the group's datasets, swapped by binding.
     Input,
+    /// Data a graph writes for the caller: lives in datasets too, so each dataset keeps its
+    /// own results.
     Output,
+    /// Working memory of the space itself: resident, never swapped, shared by whatever is bound.
     Scratch,
 }
 
 /// One declared slot.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SlotSpec {
+    /// The slot's name, unique in the layout.
     pub name: String,
     /// Bytes asked for (before rounding to the granularity).
     pub bytes: usize,
+    /// What the slot is for.
     pub role: Role,
     /// The group of an input or output slot; `None` for scratch.
     pub group: Option<String>,
@@ -147,6 +153,8 @@ pub struct Layout {
 }
 
 impl Layout {
+    /// Starts an empty layout; slots join the group [`DEFAULT_GROUP`] until
+    /// [`LayoutBuilder::group`] names another.
     pub fn builder() -> LayoutBuilder {
         LayoutBuilder {
             group: DEFAULT_GROUP.to_string(),
@@ -233,6 +241,8 @@ pub fn round_up(value: usize, granularity: usize) -> Option<usize> {
 /// Where every slot and group of a layout sits, as offsets from the space's base address.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Placement {
+    /// The allocation granularity every offset and span is a multiple of (2 MiB on current
+    /// GPUs).
     pub granularity: usize,
     /// Bytes of address space the whole layout needs.
     pub total_bytes: usize,
@@ -249,6 +259,7 @@ pub struct Placement {
 pub struct Region {
     /// The group's name ("" for the scratch region).
     pub name: String,
+    /// Offset of its first slot from the space's base; a multiple of the granularity.
     pub offset: usize,
     /// A multiple of the granularity.
     pub bytes: usize,
@@ -259,7 +270,9 @@ pub struct Region {
 /// One slot's place.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PlacedSlot {
+    /// The slot's name.
     pub name: String,
+    /// What the slot is for.
     pub role: Role,
     /// Index of its group in [`Placement::groups`]; `None` for scratch.
     pub group: Option<usize>,

@@ -98,11 +98,26 @@
 //! [`kernels`] (the PTX and how it was compiled), [`pool`] (statistics and events of elastic
 //! memory), [`region`], [`share`] (the wire protocol) and [`layout`] (placement arithmetic).
 //!
+//! ## Logging
+//! Every driver call runs in a `debug` span of the `tracing` crate named after the call, with
+//! the bytes it concerns, and logs its duration and result; binds, drains and transfers log
+//! what they did. Install any subscriber to see them, e.g. `tracing-subscriber` with
+//! `RUST_LOG=stablebuf=debug`. Failures inside `Drop` (which cannot return an error) are
+//! logged at `error`.
+//!
+//! ## Examples
+//! `cargo run --release --example <name> -- --help` describes each; with no arguments each runs
+//! its default scenario in seconds and exits non-zero if a check fails. `inference_loop`
+//! (rebinding vs copy-in vs re-capture in a graph-replay loop), `graph_update`,
+//! `reuse_virtual_address`, `sleep_wake`, `resize` and `fragmentation` (elastic memory),
+//! `ipc_producer` / `ipc_consumer` (sharing a dataset between processes).
+//!
 //! ## Features
 //! - `timeline` (default): the SVG timelines of pools and regions, drawn with `plotters`.
 //! - `cuda-13000` (default), `cuda-12090`, `cuda-12040`: which CUDA bindings cudarc uses.
 
 #![deny(unsafe_code)]
+#![warn(missing_docs)]
 
 pub mod buffer;
 #[cfg(feature = "nccl")]

@@ -66,14 +66,19 @@ pub struct Lane {
 }
 
 impl Lane {
+    /// The lane's space: read its outputs here (`lane.space().read(lane.stream(), "y")`)
+    /// after the lane's step.
     pub fn space(&self) -> &Space {
         &self.space
     }
 
+    /// The lane's own stream: its replays run here, and reading outputs on it orders the read
+    /// after the lane's last replay.
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
     }
 
+    /// The graph captured over the lane's space, replayed by [`Pipeline::step`].
     pub fn graph(&self) -> &StableGraph {
         &self.graph
     }
@@ -166,10 +171,13 @@ impl Pipeline {
         self.in_order = in_order;
     }
 
+    /// Whether replays are ordered ([`order_replays`](Self::order_replays)).
     pub fn replays_in_order(&self) -> bool {
         self.in_order
     }
 
+    /// Every lane, in the order [`step`](Self::step) uses them (step `i` runs on lane
+    /// `i % lanes().len()`, counting from the first step).
     pub fn lanes(&self) -> &[Lane] {
         &self.lanes
     }

@@ -23,24 +23,32 @@ use crate::error::Result;
 ///   Outputs land in the dataset itself.
 /// - `CopyIn` keeps memory the space owns under the slots and copies the dataset's *input*
 ///   slots into it. The cost is proportional to the bytes, and the space needs the group's size
-///   again in memory. Outputs land in the space's memory; `Space::copy_out` copies them into
-///   the dataset when you need them there.
+///   again in memory. Outputs land in the space's memory;
+///   [`Space::copy_out`](crate::Space::copy_out) copies them into the dataset when you need
+///   them there.
 /// - `Auto` resolves to one of the two when the space is created, using the cost model for the
 ///   group's size.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum BindStrategy {
+    /// Map the dataset's memory under the slots (the default).
     #[default]
     Remap,
+    /// Copy the dataset's input slots into memory the space owns.
     CopyIn,
+    /// Pick one of the two for the group's size with the cost model, when the space is created.
     Auto,
 }
 
 /// Predicted bind cost, linear in bytes for each strategy (µs = fixed + per_gib × GiB).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct CostModel {
+    /// Cost of a remap of any size, in µs (unmap + map + set-access, fence included).
     pub remap_fixed_us: f64,
+    /// What each GiB adds to a remap, in µs.
     pub remap_us_per_gib: f64,
+    /// Cost of an empty device-to-device copy, in µs.
     pub copy_fixed_us: f64,
+    /// What each GiB adds to a copy, in µs (the inverse of copy bandwidth).
     pub copy_us_per_gib: f64,
 }
 
@@ -55,10 +63,12 @@ impl CostModel {
         copy_us_per_gib: 710.0,
     };
 
+    /// Predicted µs to bind `bytes` by remapping.
     pub fn remap_us(&self, bytes: usize) -> f64 {
         self.remap_fixed_us + self.remap_us_per_gib * bytes as f64 / GIB
     }
 
+    /// Predicted µs to bind `bytes` by copying them in.
     pub fn copy_us(&self, bytes: usize) -> f64 {
         self.copy_fixed_us + self.copy_us_per_gib * bytes as f64 / GIB
     }

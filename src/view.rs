@@ -51,6 +51,7 @@ impl<T> SlotView<'_, T> {
         self.len
     }
 
+    /// Whether the view has no elements (an empty [`slice`](Self::slice)).
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }

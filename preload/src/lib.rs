@@ -20,7 +20,7 @@
 //! the limits.
 //!
 //! ## Modules
-//! Pure logic, tested on the CPU: [`env`] (variables, help), [`codes`] (error codes of each
+//! Pure logic, tested on the CPU: [`env`](mod@env) (variables, help), [`codes`] (error codes of each
 //! ABI), [`table`] (pointer ownership), [`tags`] (per-thread tag, tag book), [`elide`] (copy
 //! elision state machine), [`entry`] (driver entry-point substitution), [`monitor`] (records,
 //! timeline), [`stats`], and [`engine`] (vmm's logic over a [`device::Device`]).

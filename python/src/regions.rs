@@ -1,6 +1,6 @@
 //! The process-wide regions and the one place that calls `stablebuf::region`.
 //!
-//! One [`State`] per process behind one lock: the tag table (tag → [`Region`], allocator slot),
+//! One `State` per process behind one lock: the tag table (tag → [`Region`], allocator slot),
 //! the device's context, and the pinned [`HostArena`] that sleeping regions are copied into.
 //! The lock is held only to look things up or swap the arena; driver work runs on a cloned
 //! [`Region`] handle (each region locks itself), so an allocation in one region never waits for

@@ -37,10 +37,12 @@ impl LinearBuffer {
         })
     }
 
+    /// The device address of the first byte.
     pub fn ptr(&self) -> sys::CUdeviceptr {
         self.ptr
     }
 
+    /// The size asked for at allocation, in bytes.
     pub fn bytes(&self) -> usize {
         self.bytes
     }

@@ -140,10 +140,12 @@ impl Reservation {
         })
     }
 
+    /// The first reserved address (aligned as asked).
     pub fn base(&self) -> sys::CUdeviceptr {
         self.base
     }
 
+    /// Bytes of addresses reserved.
     pub fn bytes(&self) -> usize {
         self.bytes
     }
@@ -211,6 +213,7 @@ impl Physical {
         self.location
     }
 
+    /// Bytes of physical memory allocated.
     pub fn bytes(&self) -> usize {
         self.bytes
     }
@@ -407,10 +410,14 @@ impl Mapping {
         Self::new(&reservation, 0, physical, 0, bytes, access_devices)
     }
 
+    /// The mapped address. Unlike passing the mapping itself to a launcher (as a
+    /// [`DeviceBuffer`](crate::DeviceBuffer)), this does not make the drop wait for the device:
+    /// synchronize work you enqueue on this address yourself before dropping the mapping.
     pub fn ptr(&self) -> sys::CUdeviceptr {
         self.ptr
     }
 
+    /// Bytes mapped.
     pub fn bytes(&self) -> usize {
         self.bytes
     }

@@ -142,6 +142,7 @@ impl HostArena {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Bytes pinned (what was asked, rounded down to 4 KiB).
     pub fn capacity(&self) -> usize {
         self.lock().book.capacity()
     }
@@ -151,6 +152,8 @@ impl HostArena {
         self.lock().book.free_bytes()
     }
 
+    /// The largest run of free bytes: a dataset up to this size offloads into the arena
+    /// directly; a larger one streams through it (see the module table).
     pub fn largest_free(&self) -> usize {
         self.lock().book.largest_free()
     }

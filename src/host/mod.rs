@@ -1,6 +1,8 @@
 //! Host memory for offloaded bytes: where they go ([`HostStorage`]), the pinned [`HostArena`],
-//! and the copies to and from the device. `Dataset::offload`/`restore`, `Region::sleep`/`wake`
-//! and `Space::sleep`/`wake` handle binding, release and identity on top of this.
+//! and the copies to and from the device. [`Dataset::offload`](crate::Dataset::offload) /
+//! [`restore`](crate::Dataset::restore), [`Region::sleep`](crate::region::Region::sleep) /
+//! [`wake`](crate::region::Region::wake) and [`Space::sleep`](crate::Space::sleep) /
+//! [`wake`](crate::Space::wake) handle binding, release and identity on top of this.
 //!
 //! | storage | how the bytes move | host cost | use when |
 //! | --- | --- | --- | --- |
@@ -66,12 +68,18 @@ pub enum StorageUsed {
     Discarded,
 }
 
-/// What one offload or restore did.
+/// What one offload or restore (of a dataset, or a region's sleep or wake) did.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct TransferReport {
+    /// Id of the dataset ([`Dataset::id`](crate::Dataset::id)) or region moved.
     pub dataset: u64,
+    /// Bytes moved; 0 when there was nothing to do (already offloaded, already resident).
     pub bytes: usize,
+    /// Wall-clock time of the whole operation, from the call until the copies were complete
+    /// (waiting for the GPU and releasing or mapping memory included).
     pub elapsed: Duration,
+    /// Which path the bytes took.
     pub storage: StorageUsed,
 }
 

@@ -34,8 +34,9 @@ pub enum GemmOutput {
 /// A cuBLAS handle bound to one stream, with a workspace this crate owns.
 ///
 /// With a workspace set, cuBLAS puts no memory allocation nodes into captured graphs, so a graph
-/// of SGEMMs over slots is pure kernels (check it with `StableGraph::node_kinds`). TF32 stays off
-/// (cuBLAS's default math mode): results are true FP32.
+/// of SGEMMs over slots is pure kernels (check it with
+/// [`StableGraph::node_kinds`](crate::StableGraph::node_kinds)). TF32 stays off (cuBLAS's
+/// default math mode): results are true FP32.
 #[derive(Debug)]
 pub struct Blas {
     handle: BlasHandle,

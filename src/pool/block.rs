@@ -55,6 +55,7 @@ impl Block {
         }
     }
 
+    /// The block's name in the pool's [`Event`](super::Event) log and timeline.
     pub fn id(&self) -> BlockId {
         self.id
     }
@@ -82,6 +83,7 @@ impl Block {
         self.info().map_or(0, |info| info.len)
     }
 
+    /// Whether [`len`](Self::len) is 0: shrunk to nothing, or its tenant is gone.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }

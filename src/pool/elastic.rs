@@ -42,26 +42,38 @@ impl Default for PoolOptions {
 }
 
 impl PoolOptions {
+    /// Caps the pool's physical memory (mapped plus cached, all tenants) at `bytes`; a request
+    /// over it is refused with [`Error::OverBudget`](crate::Error::OverBudget) after the cache
+    /// was released, if that would have made room.
     pub fn budget(mut self, bytes: usize) -> Self {
         self.budget = Some(bytes);
         self
     }
 
+    /// Whether a request may be served by several cached chunks mapped side by side
+    /// ([`PoolOptions::stitching`]).
     pub fn stitching(mut self, on: bool) -> Self {
         self.stitching = on;
         self
     }
 
+    /// Whether an out-of-memory `cuMemCreate` releases the cache and retries once
+    /// ([`PoolOptions::drain_on_oom`]).
     pub fn drain_on_oom(mut self, on: bool) -> Self {
         self.drain_on_oom = on;
         self
     }
 
+    /// How tenants wait for the GPU before unmapping ([`PoolOptions::fence`]). With
+    /// [`FencePolicy::AttachedStreams`], call [`Tenant::attach`] for every stream that uses a
+    /// tenant's blocks.
     pub fn fence(mut self, policy: FencePolicy) -> Self {
         self.fence = policy;
         self
     }
 
+    /// How many recent events the log keeps; older ones are dropped and counted
+    /// ([`ElasticPool::dropped_events`]). 0 turns the log (and the timeline) off.
     pub fn event_capacity(mut self, events: usize) -> Self {
         self.event_capacity = events;
         self
@@ -99,6 +111,8 @@ impl std::fmt::Debug for ElasticPool {
 }
 
 impl ElasticPool {
+    /// An empty pool on `ctx`'s device: it holds no memory until tenants allocate. Fails only if
+    /// the driver cannot report the allocation granularity.
     pub fn new(ctx: &Arc<CudaContext>, options: PoolOptions) -> Result<Self> {
         let granularity = granularity(ctx, false)?;
         let state = State::new(
@@ -147,18 +161,23 @@ impl ElasticPool {
         })
     }
 
+    /// The allocation granularity in bytes (2 MiB on current GPUs): every chunk, block length
+    /// and capacity is a multiple of it.
     pub fn granularity(&self) -> usize {
         self.shared.granularity
     }
 
+    /// The CUDA context (device) the pool allocates on.
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.shared.ctx
     }
 
+    /// The pool's figures now: memory mapped and cached, driver calls, drains, fragmentation.
     pub fn stats(&self) -> PoolStats {
         self.shared.lock().stats()
     }
 
+    /// [`TenantStats`] of every registered tenant, in registration order.
     pub fn tenant_stats(&self) -> Vec<TenantStats> {
         self.shared.lock().all_tenant_stats()
     }
@@ -168,10 +187,12 @@ impl ElasticPool {
         self.shared.lock().drain()
     }
 
+    /// Turns stitching on or off for later requests (see [`PoolOptions::stitching`]).
     pub fn set_stitching(&self, on: bool) {
         self.shared.lock().switches_mut().stitching = on;
     }
 
+    /// Turns drain-and-retry on or off for later requests (see [`PoolOptions::drain_on_oom`]).
     pub fn set_drain_on_oom(&self, on: bool) {
         self.shared.lock().switches_mut().drain_on_oom = on;
     }
@@ -220,10 +241,12 @@ impl std::fmt::Debug for Tenant {
 }
 
 impl Tenant {
+    /// The tenant's id in the pool's [`Event`] log and statistics.
     pub fn id(&self) -> TenantId {
         self.id
     }
 
+    /// The name given at registration (used in errors and statistics).
     pub fn name(&self) -> &str {
         &self.name
     }
@@ -253,6 +276,8 @@ impl Tenant {
         self.shared.lock().attach(self.id, stream)
     }
 
+    /// The tenant's figures now; [`Error::TenantGone`](crate::Error::TenantGone) after it was
+    /// unregistered.
     pub fn stats(&self) -> Result<TenantStats> {
         self.shared.lock().tenant_stats(self.id)
     }

@@ -10,52 +10,93 @@ use super::book::{ChunkId, TenantId};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct BlockId(pub u64);
 
-/// One thing a pool did.
+/// One thing a pool (or a region) did. Not `#[non_exhaustive]`: other logs (the preload
+/// layer's allocation monitor) build events to draw with the same timeline.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Event {
     /// Time since the pool was created.
     pub at: Duration,
+    /// What happened.
     pub kind: EventKind,
+    /// The tenant it happened to; `None` for pool-wide events (a drain the caller asked for).
     pub tenant: Option<TenantId>,
     /// Device address the event concerns (0 when it concerns none, as for a release).
     pub address: u64,
+    /// Bytes the event concerns; each kind says which.
     pub bytes: usize,
 }
 
+/// What an [`Event`] records. `address` and `bytes` are the event's fields.
 #[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
 pub enum EventKind {
     /// A tenant reserved `bytes` of virtual addresses at `address`.
-    Register { name: Arc<str> },
+    Register {
+        /// The tenant's name.
+        name: Arc<str>,
+    },
     /// A tenant's reservation was freed, with everything it held.
     Unregister,
-    /// New physical memory (`cuMemCreate`).
-    Create { chunk: ChunkId },
+    /// New physical memory (`cuMemCreate`) of `bytes`.
+    Create {
+        /// The new chunk.
+        chunk: ChunkId,
+    },
     /// Physical memory returned to the driver (`cuMemRelease`).
-    Release { chunk: ChunkId },
+    Release {
+        /// The chunk released; its id may be reused by a later chunk.
+        chunk: ChunkId,
+    },
     /// A chunk mapped at `address`; `reused` when it came from the cache.
     Map {
+        /// The chunk mapped.
         chunk: ChunkId,
+        /// The block it now backs.
         block: BlockId,
+        /// Whether it came from the cache (no `cuMemCreate`).
         reused: bool,
     },
     /// A chunk unmapped from `address` (it goes back to the cache).
-    Unmap { chunk: ChunkId, block: BlockId },
+    Unmap {
+        /// The chunk unmapped.
+        chunk: ChunkId,
+        /// The block it backed.
+        block: BlockId,
+    },
     /// A block's address range was carved out (`bytes` of virtual capacity).
-    Alloc { block: BlockId },
+    Alloc {
+        /// The new block.
+        block: BlockId,
+    },
     /// A block was freed.
-    Free { block: BlockId },
+    Free {
+        /// The block freed.
+        block: BlockId,
+    },
     /// A block's length grew to `bytes`.
-    Grow { block: BlockId },
+    Grow {
+        /// The block grown.
+        block: BlockId,
+    },
     /// A block's length shrank to `bytes`.
-    Shrink { block: BlockId },
+    Shrink {
+        /// The block shrunk.
+        block: BlockId,
+    },
     /// Cached chunks were released to make room: `chunks` of them, `bytes` in all.
-    Drain { chunks: usize, reason: DrainReason },
+    Drain {
+        /// How many chunks were released.
+        chunks: usize,
+        /// Why.
+        reason: DrainReason,
+    },
     /// A request was refused (over budget, out of memory, out of virtual capacity).
     Refused,
 }
 
 /// Why the cache was drained.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum DrainReason {
     /// `cuMemCreate` reported out of memory.
     OutOfMemory,

@@ -5,7 +5,9 @@ use std::fmt;
 /// What a whole pool holds and has done. Byte counts are of physical memory unless named
 /// virtual.
 #[derive(Clone, Debug, Default, PartialEq)]
+#[non_exhaustive]
 pub struct PoolStats {
+    /// Tenants registered now.
     pub tenants: usize,
     /// Virtual address space reserved by all tenants.
     pub reserved_virtual: usize,
@@ -13,6 +15,8 @@ pub struct PoolStats {
     pub mapped: usize,
     /// Physical memory kept unmapped for reuse.
     pub cached: usize,
+    /// The cap on mapped plus cached memory ([`PoolOptions::budget`](crate::PoolOptions::budget)),
+    /// if one was set.
     pub budget: Option<usize>,
     /// Live mappings: each is one `cuMemMap` and costs a `cuMemUnmap` to undo.
     pub mappings: usize,
@@ -20,6 +24,8 @@ pub struct PoolStats {
     pub chunks: usize,
     /// The longest free virtual run in any tenant's reservation, in bytes.
     pub largest_free_run: usize,
+    /// The largest cached chunk: the most a block cache that cannot stitch could serve from
+    /// the cache in one request.
     pub largest_cached_chunk: usize,
     /// `1 - largest free run / free virtual bytes`, over all reservations: 0 when free address
     /// space is one run, near 1 when it is splintered.
@@ -27,6 +33,7 @@ pub struct PoolStats {
     /// `1 - largest cached chunk / cached bytes`: how scattered the cache is. A block cache could
     /// serve at most the largest chunk; stitching can serve all of it.
     pub cache_fragmentation: f64,
+    /// The most memory mapped into blocks at any one time since the pool was made.
     pub peak_mapped: usize,
     /// `cuMemCreate` calls that succeeded.
     pub creates: u64,
@@ -36,7 +43,10 @@ pub struct PoolStats {
     pub reuses: u64,
     /// Requests served by more than one chunk (stitched).
     pub stitched: u64,
+    /// Times cached chunks were released: on out-of-memory, to fit the budget, or by
+    /// [`ElasticPool::drain`](crate::ElasticPool::drain) (each also an [`EventKind::Drain`](super::EventKind::Drain)).
     pub drains: u64,
+    /// Bytes those drains released, in all.
     pub drained_bytes: usize,
     /// Requests refused (budget, memory, virtual capacity).
     pub refusals: u64,
@@ -44,18 +54,29 @@ pub struct PoolStats {
 
 /// One tenant's share of a pool.
 #[derive(Clone, Debug, Default, PartialEq)]
+#[non_exhaustive]
 pub struct TenantStats {
+    /// The name given at registration.
     pub name: String,
+    /// Bytes of addresses the tenant reserved (its capacity, granule-rounded).
     pub virtual_capacity: usize,
     /// Virtual bytes carved into blocks (including room blocks reserved to grow into).
     pub virtual_in_use: usize,
+    /// Physical memory mapped into the tenant's blocks.
     pub mapped: usize,
+    /// Live mappings in the tenant's blocks.
     pub mappings: usize,
+    /// Live blocks.
     pub blocks: usize,
+    /// The tenant's own cap on mapped memory, if registered with one
+    /// ([`ElasticPool::register_limited`](crate::ElasticPool::register_limited)).
     pub physical_limit: Option<usize>,
+    /// The longest free run of the tenant's reservation, in bytes: the largest block it can
+    /// still allocate.
     pub largest_free_run: usize,
     /// `1 - largest free run / free virtual bytes` in this tenant's reservation.
     pub virtual_fragmentation: f64,
+    /// The most memory mapped into the tenant's blocks at any one time.
     pub peak_mapped: usize,
 }
 

@@ -19,11 +19,17 @@ const MIB: f64 = (1u64 << 20) as f64;
 /// One mapping's life: `[start, end)` in ms, `[low, high)` in MiB on the stacked axis.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct MappingBox {
+    /// The tenant whose band the box is drawn in.
     pub tenant: TenantId,
+    /// When the chunk was mapped, in ms from the first event shown.
     pub start: f64,
+    /// When it was unmapped (or the last event, if it is still mapped), in ms.
     pub end: f64,
+    /// Its lowest address on the stacked axis, in MiB.
     pub low: f64,
+    /// Its end address on the stacked axis, in MiB.
     pub high: f64,
+    /// Whether the chunk came from the cache (drawn lighter).
     pub reused: bool,
 }
 
@@ -32,9 +38,12 @@ pub struct MappingBox {
 pub struct TimelineShapes {
     /// Tenants in band order: id, name, band base and top on the stacked axis (MiB).
     pub bands: Vec<(TenantId, String, f64, f64)>,
+    /// Every mapping's box: those unmapped in the order they were, then those still mapped by
+    /// address.
     pub boxes: Vec<MappingBox>,
     /// When each drain happened, in ms.
     pub drains: Vec<f64>,
+    /// Time of the last event, in ms from the first: the right edge of the picture.
     pub end_ms: f64,
 }
 

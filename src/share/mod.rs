@@ -99,7 +99,8 @@ fn read_exact(socket: &UnixStream, buffer: &mut [u8], fds: &mut Vec<OwnedFd>) ->
     Ok(())
 }
 
-/// Exports `dataset` (created with `SpaceOptions::shareable`) and sends it as an offer. The
+/// Exports `dataset` (created with
+/// [`SpaceOptions::shareable`](crate::SpaceOptions::shareable)) and sends it as an offer. The
 /// descriptor is closed here once sent; the peer holds its own.
 pub fn send_dataset(socket: &UnixStream, dataset: &Dataset) -> Result<()> {
     let fd = dataset.export()?;

@@ -15,10 +15,15 @@ pub const MAX_MESSAGE: usize = 64 << 10;
 /// Describes a dataset sent to another process.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Offer {
+    /// [`Layout::fingerprint`](crate::Layout::fingerprint) of the producer's layout; the
+    /// consumer's must be equal.
     pub layout_fingerprint: u64,
+    /// The slot group the dataset backs.
     pub group: String,
     /// Bytes of physical memory behind the descriptor.
     pub bytes: u64,
+    /// The producer's allocation granularity for shareable memory, in bytes (informative: the
+    /// consumer checks layout, group, size and device).
     pub granularity: u64,
     /// `cuDeviceGetUuid` of the producer's device.
     pub device_uuid: [u8; 16],
@@ -29,9 +34,18 @@ pub struct Offer {
 /// One message of the protocol.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Message {
+    /// Producer → consumer: a dataset, its file descriptor riding along (SCM_RIGHTS).
     Offer(Offer),
-    Ack { dataset: u64 },
-    Reject { reason: String },
+    /// Consumer → producer: the dataset was imported and checked.
+    Ack {
+        /// The producer's dataset id, from the offer.
+        dataset: u64,
+    },
+    /// Consumer → producer: the offer was refused (the consumer gets the matching typed error).
+    Reject {
+        /// Why, in words (the consumer's error message).
+        reason: String,
+    },
 }
 
 struct Reader<'a> {

@@ -401,7 +401,7 @@ impl Space {
         view::read(&self.view::<T>(name, stream)?)
     }
 
-    /// Whether the space is asleep (scratch released; see `Space::sleep`).
+    /// Whether the space is asleep (scratch released; see [`Space::sleep`]).
     pub fn is_asleep(&self) -> bool {
         self.shared.lock().sleeping.is_some()
     }

@@ -85,13 +85,20 @@ impl<B: Backend> BlockState<B> {
     }
 }
 
-/// What a block handle needs to know about itself.
+/// A block's figures now ([`Block::info`](crate::Block::info)).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct BlockInfo {
+    /// The block's device address (fixed for its life).
     pub address: u64,
+    /// Usable bytes: what was asked for at allocation or by the last grow or shrink.
     pub len: usize,
+    /// Bytes of addresses reserved for the block: the most it can grow to.
     pub capacity: usize,
+    /// Bytes of physical memory mapped behind it: `len` rounded up to the granularity, or a
+    /// little more when a stitched cached chunk overshot.
     pub mapped: usize,
+    /// Mappings (chunks) behind it: 1 for a fresh block; more when stitched or grown.
     pub mappings: usize,
 }
 
