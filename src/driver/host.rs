@@ -7,13 +7,16 @@ use cudarc::driver::{result, sys, CudaContext, CudaStream};
 use super::{bind_context, traced, traced_raw};
 use crate::error::{Error, Result};
 
-/// Page-locked (pinned) host memory from `cuMemHostAlloc`, freed on drop. Copies to and from it
-/// run at full PCIe speed and can be asynchronous.
+/// Page-locked (pinned) host memory, freed on drop. Copies to and from it run at full PCIe speed
+/// and can be asynchronous.
 #[derive(Debug)]
 pub(crate) struct PinnedHost {
     ctx: Arc<CudaContext>,
     ptr: *mut u8,
     bytes: usize,
+    /// `Some` when the memory is an ordinary buffer registered with `cuMemHostRegister` (it is
+    /// unregistered, then freed with the buffer); `None` for `cuMemHostAlloc` memory.
+    registered: Option<Vec<u8>>,
 }
 
 // SAFETY: the allocation is plain host memory owned by this value; access to its bytes goes
@@ -38,6 +41,35 @@ impl PinnedHost {
             ctx: ctx.clone(),
             ptr: ptr.cast(),
             bytes,
+            registered: None,
+        })
+    }
+
+    /// Pins `buffer` in place with `cuMemHostRegister` (portable to every context). Pinning an
+    /// already faulted-in buffer is much faster than `cuMemHostAlloc` of the same size (measured
+    /// on the H100 host: 0.36 s against 4.3 s for 8 GiB), so callers fault it in first, on
+    /// several threads. The buffer is unregistered and freed on drop.
+    pub(crate) fn register(ctx: &Arc<CudaContext>, mut buffer: Vec<u8>) -> Result<Self> {
+        let bytes = buffer.len();
+        if bytes == 0 {
+            return Err(Error::InvalidShape(
+                "a pinned buffer needs at least one byte".into(),
+            ));
+        }
+        bind_context(ctx)?;
+        let ptr = buffer.as_mut_ptr();
+        traced_raw("cuMemHostRegister", bytes, || {
+            // SAFETY: `buffer` is a live allocation of `bytes` owned by the value returned below,
+            // which unregisters it before freeing it.
+            unsafe {
+                sys::cuMemHostRegister_v2(ptr.cast(), bytes, sys::CU_MEMHOSTREGISTER_PORTABLE)
+            }
+        })?;
+        Ok(Self {
+            ctx: ctx.clone(),
+            ptr,
+            bytes,
+            registered: Some(buffer),
         })
     }
 
@@ -72,12 +104,25 @@ impl PinnedHost {
 impl Drop for PinnedHost {
     fn drop(&mut self) {
         let (ptr, bytes) = (self.ptr, self.bytes);
-        let freed = bind_context(&self.ctx).and_then(|()| {
-            traced("cuMemFreeHost", bytes, || {
+        let freed = bind_context(&self.ctx).and_then(|()| match self.registered.take() {
+            Some(buffer) => {
+                let unregistered = traced_raw("cuMemHostUnregister", bytes, || {
+                    // SAFETY: registered in `register` and unregistered once; owners wait for
+                    // their copies before dropping it.
+                    unsafe { sys::cuMemHostUnregister(ptr.cast()) }
+                });
+                match unregistered {
+                    Ok(()) => drop(buffer),
+                    // Still known to the driver: keep the memory rather than free it under it.
+                    Err(_) => std::mem::forget(buffer),
+                }
+                unregistered
+            }
+            None => traced("cuMemFreeHost", bytes, || {
                 // SAFETY: allocated by cuMemHostAlloc and freed once; owners wait for their
                 // copies before dropping it.
                 unsafe { result::free_host(ptr.cast()) }
-            })
+            }),
         });
         if let Err(error) = freed {
             tracing::error!(%error, bytes, "freeing pinned host memory failed");

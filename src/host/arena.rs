@@ -17,8 +17,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::driver::CudaContext;
 
-use crate::driver::host::PinnedHost;
-use crate::error::Result;
+use super::parallel;
+use crate::driver::{self, host::PinnedHost};
+use crate::error::{Error, Result};
 
 /// Regions start on this boundary.
 pub(crate) const ARENA_ALIGN: usize = 4096;
@@ -129,9 +130,26 @@ pub struct HostArena {
 
 impl HostArena {
     /// Pins `bytes` of host memory (rounded down to 4 KiB). This is the slow step: do it once.
+    ///
+    /// The memory is faulted in on several threads and then registered with the driver
+    /// (`cuMemHostRegister`), which pins it several times faster than `cuMemHostAlloc` does; if
+    /// registering is refused (a locked-memory limit, say), `cuMemHostAlloc` is used instead.
     pub fn new(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Arc<Self>> {
         let book = ArenaBook::new(bytes);
-        let memory = PinnedHost::new(ctx, book.capacity().max(ARENA_ALIGN))?;
+        let capacity = book.capacity().max(ARENA_ALIGN);
+        let registered = driver::host::transfer_buffer(capacity)
+            .ok_or(Error::HostOutOfMemory { bytes: capacity })
+            .and_then(|mut buffer| {
+                parallel::fault_in(&mut buffer, parallel::threads());
+                PinnedHost::register(ctx, buffer)
+            });
+        let memory = match registered {
+            Ok(memory) => memory,
+            Err(error) => {
+                tracing::info!(%error, bytes = capacity, "registering host memory failed; allocating pinned memory instead");
+                PinnedHost::new(ctx, capacity)?
+            }
+        };
         Ok(Arc::new(Self {
             inner: Mutex::new(ArenaInner { memory, book }),
         }))

@@ -8,8 +8,8 @@ use std::num::NonZeroUsize;
 use std::thread;
 
 /// At most this many threads copy at once: beyond it, memory bandwidth, not the thread count,
-/// bounds a copy.
-pub(crate) const MAX_THREADS: usize = 8;
+/// bounds a copy (page faults on fresh memory scale further than copies do).
+pub(crate) const MAX_THREADS: usize = 16;
 /// A thread gets at least this many bytes; smaller copies use fewer threads.
 const MIN_BYTES_PER_THREAD: usize = 4 << 20;
 /// Threads' shares are cut at multiples of this, so no huge page is faulted by two threads.
@@ -39,6 +39,33 @@ pub(crate) fn copy_all(jobs: Vec<(&mut [u8], &[u8])>, threads: usize) {
         }
         run(mine);
     });
+}
+
+/// Writes one byte of every page of `buffer` (a zeroed buffer stays zeroed), spread over up to
+/// `threads` threads, so the kernel faults its pages in side by side rather than one by one
+/// inside a later single-threaded call (pinning, or the first copy into it).
+pub(crate) fn fault_in(buffer: &mut [u8], threads: usize) {
+    const PAGE: usize = 4096;
+    if buffer.is_empty() {
+        return;
+    }
+    let threads = threads.min(buffer.len() / MIN_BYTES_PER_THREAD).max(1);
+    let share = buffer.len().div_ceil(threads).next_multiple_of(SHARE_ALIGN);
+    thread::scope(|scope| {
+        for part in buffer.chunks_mut(share) {
+            scope.spawn(move || {
+                for page in part.chunks_mut(PAGE) {
+                    touch(&mut page[0]);
+                }
+            });
+        }
+    });
+}
+
+/// Stores the byte's own value back, so the page is written (faulted in) but keeps its contents;
+/// `black_box` keeps the compiler from dropping the store.
+fn touch(byte: &mut u8) {
+    *byte = std::hint::black_box(*byte);
 }
 
 fn run(share: Vec<(&mut [u8], &[u8])>) {
@@ -103,6 +130,18 @@ pub(crate) fn carve(
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn faulting_in_keeps_every_byte() {
+        let mut buffer: Vec<u8> = (0..(9 << 20) + 17).map(|i| (i % 251) as u8).collect();
+        let before = buffer.clone();
+        for threads in [1, 3, 16] {
+            fault_in(&mut buffer, threads);
+            assert_eq!(buffer, before, "{threads} threads");
+        }
+        fault_in(&mut [], 4);
+    }
+
     use super::*;
 
     fn pattern(len: usize, seed: u8) -> Vec<u8> {
