@@ -72,16 +72,11 @@ impl PinnedHost {
 impl Drop for PinnedHost {
     fn drop(&mut self) {
         let (ptr, bytes) = (self.ptr, self.bytes);
-        let freed = bind_context(&self.ctx).and_then(|()| {
-            traced("cuMemFreeHost", bytes, || {
-                // SAFETY: allocated by cuMemHostAlloc and freed once; owners wait for their
-                // copies before dropping it.
-                unsafe { result::free_host(ptr.cast()) }
-            })
+        super::release(&self.ctx, "cuMemFreeHost", bytes, || {
+            // SAFETY: allocated by cuMemHostAlloc and freed once; owners wait for their
+            // copies before dropping it.
+            unsafe { sys::cuMemFreeHost(ptr.cast()) }
         });
-        if let Err(error) = freed {
-            tracing::error!(%error, bytes, "freeing pinned host memory failed");
-        }
     }
 }
 
