@@ -243,6 +243,10 @@ pub enum ProtocolError {
     Version { got: u16, supported: u16 },
     #[error("unknown message kind {0}")]
     UnknownKind(u8),
+    #[error("{extra} bytes follow the message's last field")]
+    TrailingBytes { extra: usize },
+    #[error("a string field of {bytes} bytes is over the limit")]
+    StringTooLong { bytes: usize },
     #[error("a string field is not UTF-8")]
     BadUtf8,
     #[error("message of {0} bytes is over the limit")]
