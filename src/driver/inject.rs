@@ -78,6 +78,9 @@ impl Fault {
 pub struct Fired {
     pub fault: Fault,
     pub call: Call,
+    /// How many of this thread's calls came before it since [`arm`]: its index in a recording
+    /// started at the same time.
+    pub index: usize,
     /// The call was made before the failure was reported (see [`runs_anyway`]).
     pub ran: bool,
 }
@@ -126,6 +129,8 @@ struct Armed {
 struct ThreadState {
     armed: Vec<Armed>,
     fired: Vec<Fired>,
+    /// Calls seen since [`arm`].
+    visited: usize,
     recording: Option<Vec<Call>>,
 }
 
@@ -134,6 +139,7 @@ thread_local! {
         RefCell::new(ThreadState {
             armed: Vec::new(),
             fired: Vec::new(),
+            visited: 0,
             recording: None,
         })
     };
@@ -152,6 +158,7 @@ pub fn arm(faults: &[Fault]) {
             })
             .collect();
         state.fired.clear();
+        state.visited = 0;
     });
 }
 
@@ -247,6 +254,8 @@ impl ThreadState {
         if let Some(recording) = &mut self.recording {
             recording.push(call);
         }
+        let index = self.visited;
+        self.visited += 1;
         let mut injected = None;
         for armed in &mut self.armed {
             if armed.fired || armed.fault.name.is_some_and(|name| name != call.name) {
@@ -262,6 +271,7 @@ impl ThreadState {
         self.fired.push(Fired {
             fault,
             call,
+            index,
             ran: runs_anyway(call.name),
         });
         Some(fault.result)
@@ -328,6 +338,7 @@ mod tests {
         assert_eq!(recorded.len(), 4, "failed calls are recorded too");
         assert_eq!(fired.len(), 1);
         assert_eq!(fired[0].call, recorded[2]);
+        assert_eq!(fired[0].index, 2);
         assert!(!fired[0].ran);
         assert_ne!(
             recorded[0].site, recorded[1].site,
