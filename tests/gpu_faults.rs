@@ -223,9 +223,13 @@ fn is_wait(name: &str) -> bool {
 /// The error names the failed call, or is the out-of-memory error stablebuf builds from it.
 fn names_the_failure(error: &Error, fired: &Fired) -> bool {
     match error {
-        Error::Driver { call, result, .. } => *call == fired.call.name && *result == fired.fault.result,
+        Error::Driver { call, result, .. } => {
+            *call == fired.call.name && *result == fired.fault.result
+        }
         Error::OutOfMemory { call, .. } => *call == fired.call.name && fired.fault.result == OOM,
-        Error::RestoreOutOfMemory { .. } | Error::PoolOutOfMemory { .. } => fired.fault.result == OOM,
+        Error::RestoreOutOfMemory { .. } | Error::PoolOutOfMemory { .. } => {
+            fired.fault.result == OOM
+        }
         _ => false,
     }
 }
@@ -284,9 +288,11 @@ fn walk<W>(fx: &Fx, s: &Scenario<W>, tally: &mut Tally) {
     let (calls, path_indices) = match outcome {
         Ok(recorded) => recorded,
         Err(panic) => {
-            tally
-                .failures
-                .push(format!("{}: the run without injection: {}", s.name, message(&panic)));
+            tally.failures.push(format!(
+                "{}: the run without injection: {}",
+                s.name,
+                message(&panic)
+            ));
             return;
         }
     };
@@ -332,7 +338,12 @@ fn walk<W>(fx: &Fx, s: &Scenario<W>, tally: &mut Tally) {
 }
 
 fn site(call: &Call) -> String {
-    format!("{:<34} {}:{}", call.name, call.site.file(), call.site.line())
+    format!(
+        "{:<34} {}:{}",
+        call.name,
+        call.site.file(),
+        call.site.line()
+    )
 }
 
 fn message(panic: &Box<dyn std::any::Any + Send>) -> String {
@@ -358,7 +369,11 @@ fn record_path<W>(fx: &Fx, s: &Scenario<W>) -> (Vec<Call>, BTreeSet<usize>) {
         if let Err(error) = outcome {
             panic!("failed: {error}");
         }
-        assert_eq!(fired.len(), s.path.len(), "the path's faults did not all fire");
+        assert_eq!(
+            fired.len(),
+            s.path.len(),
+            "the path's faults did not all fire"
+        );
         (s.done)(fx, &mut world);
         drop(world);
         if let Err(leak) = quiet.compare(fx) {
@@ -460,7 +475,11 @@ fn now_d2(fx: &Fx, w: &mut Bound) {
     assert_eq!(w.space.bound_dataset("g").unwrap(), Some(w.d2.id()));
     assert_eq!(space_errors(fx, &w.space, &["a"], 2), 0);
     assert_eq!(replay_errors(fx, &w.space, w.graph.as_ref().unwrap(), 2), 0);
-    assert_eq!(dataset_errors(fx, &w.d1, 1), 0, "the old dataset is untouched");
+    assert_eq!(
+        dataset_errors(fx, &w.d1, 1),
+        0,
+        "the old dataset is untouched"
+    );
 }
 
 /// A copy-in group after a failed copy: the old dataset, or nothing (a partial copy is never
@@ -624,19 +643,30 @@ fn now_offloaded(_: &Fx, w: &mut Offload) {
 }
 
 fn still_offloaded(_: &Fx, w: &mut Offload, _: &Error) {
-    assert!(!w.d.is_resident(), "a failed restore left the dataset resident");
-    assert!(matches!(w.spaces[0].bind(&w.d), Err(Error::Offloaded { .. })));
+    assert!(
+        !w.d.is_resident(),
+        "a failed restore left the dataset resident"
+    );
+    assert!(matches!(
+        w.spaces[0].bind(&w.d),
+        Err(Error::Offloaded { .. })
+    ));
 }
 
 fn restored(fx: &Fx, w: &mut Offload) {
     assert!(w.d.is_resident());
-    assert_eq!(dataset_errors(fx, &w.d, 7), 0, "the contents did not survive");
+    assert_eq!(
+        dataset_errors(fx, &w.d, 7),
+        0,
+        "the contents did not survive"
+    );
     w.spaces[0].bind(&w.d).unwrap();
     assert_eq!(space_errors(fx, &w.spaces[0], &["a", "b"], 7), 0);
 }
 
 fn offload_scenarios() -> Vec<Scenario<Offload>> {
-    let offload = |fx: &Fx, w: &mut Offload| w.d.offload(&w.storage.clone(), &fx.gpu.stream).map(drop);
+    let offload =
+        |fx: &Fx, w: &mut Offload| w.d.offload(&w.storage.clone(), &fx.gpu.stream).map(drop);
     let restore = |fx: &Fx, w: &mut Offload| w.d.restore(&fx.gpu.stream).map(drop);
     vec![
         scenario(
@@ -722,7 +752,11 @@ fn sleep_scenarios() -> Vec<Scenario<Bound>> {
         scenario(
             "space wake",
             asleep,
-            |fx, w| w.space.wake([&mut w.d1, &mut w.dh], &fx.gpu.stream).map(drop),
+            |fx, w| {
+                w.space
+                    .wake([&mut w.d1, &mut w.dh], &fx.gpu.stream)
+                    .map(drop)
+            },
             // Documented: the space stays asleep; what was restored stays so; a retry continues.
             |_, w, _| assert!(w.space.is_asleep()),
             awake_and_bound,
@@ -786,8 +820,14 @@ fn info(block: &Block) -> BlockInfo {
 fn sums_hold(fx: &Fx, w: &Pool) {
     let stats = w.pool.stats();
     let tenants = w.pool.tenant_stats();
-    assert_eq!(stats.mapped, tenants.iter().map(|t| t.mapped).sum::<usize>());
-    assert_eq!(stats.mappings, tenants.iter().map(|t| t.mappings).sum::<usize>());
+    assert_eq!(
+        stats.mapped,
+        tenants.iter().map(|t| t.mapped).sum::<usize>()
+    );
+    assert_eq!(
+        stats.mappings,
+        tenants.iter().map(|t| t.mappings).sum::<usize>()
+    );
     let blocks: Vec<&Block> = w
         .keep
         .iter()
@@ -889,7 +929,8 @@ fn pool_scenarios() -> Vec<Scenario<Pool>> {
             "pool alloc (stitched)",
             |fx| {
                 let mut w = pool_world(fx, PoolOptions::default());
-                let blocks: Vec<Block> = (0..4).map(|_| tenant(&w).alloc(2 * MIB).unwrap()).collect();
+                let blocks: Vec<Block> =
+                    (0..4).map(|_| tenant(&w).alloc(2 * MIB).unwrap()).collect();
                 for (i, block) in blocks.into_iter().enumerate() {
                     if i % 2 == 1 {
                         patterns::fill(&fx.gpu, &whole(&block), 20 + i as u32);
@@ -941,7 +982,11 @@ fn pool_scenarios() -> Vec<Scenario<Pool>> {
                     ptr: block.address(),
                     bytes: 2 * MIB,
                 };
-                assert_eq!(patterns::errors(&fx.gpu, &head, 14), 0, "grow kept the contents");
+                assert_eq!(
+                    patterns::errors(&fx.gpu, &head, 14),
+                    0,
+                    "grow kept the contents"
+                );
                 sums_hold(fx, w);
             },
         ),
@@ -1020,7 +1065,11 @@ fn pool_scenarios() -> Vec<Scenario<Pool>> {
                     ptr: target.address(),
                     bytes: 2 * MIB,
                 };
-                assert_eq!(patterns::errors(&fx.gpu, &head, 17), 0, "the donor's bytes moved");
+                assert_eq!(
+                    patterns::errors(&fx.gpu, &head, 17),
+                    0,
+                    "the donor's bytes moved"
+                );
                 sums_hold(fx, w);
             },
         ),
@@ -1037,7 +1086,12 @@ struct Regions {
 }
 
 fn region_world(fx: &Fx, consolidate: bool, past_span: bool) -> Regions {
-    let region = Region::new(&fx.gpu.ctx, "r", RegionOptions::default().capacity(256 * MIB)).unwrap();
+    let region = Region::new(
+        &fx.gpu.ctx,
+        "r",
+        RegionOptions::default().capacity(256 * MIB),
+    )
+    .unwrap();
     let mut w = Regions {
         region,
         allocations: Vec::new(),
@@ -1117,7 +1171,10 @@ fn region_scenarios() -> Vec<Scenario<Regions>> {
             },
             |fx, w| {
                 let stats = w.region.stats();
-                assert_eq!((stats.asleep, stats.mappings, stats.mapped), (false, 1, 8 * MIB));
+                assert_eq!(
+                    (stats.asleep, stats.mappings, stats.mapped),
+                    (false, 1, 8 * MIB)
+                );
                 contents_intact(fx, w);
             },
         ),
@@ -1193,7 +1250,11 @@ struct Ipc {
 }
 
 fn ipc_layout() -> Layout {
-    Layout::builder().group("g").input("a", 4 * MIB).build().unwrap()
+    Layout::builder()
+        .group("g")
+        .input("a", 4 * MIB)
+        .build()
+        .unwrap()
 }
 
 fn ipc_scenario() -> Scenario<Ipc> {

@@ -357,6 +357,7 @@ mod tests {
         let fired = disarm();
         assert_eq!(made, ["cuMemMap", "cuMemUnmap", "cuMemRelease"]);
         assert!(fired[0].ran, "an unmap runs before its failure is reported");
+        assert!(creates_memory("cuMemCreate") && !creates_memory("cuMemUnmap"));
     }
 
     #[test]

@@ -16,7 +16,8 @@ pub fn open_fds() -> usize {
 
 /// Free device memory once the GPU is idle.
 pub fn free_memory(ctx: &Arc<CudaContext>) -> usize {
-    ctx.synchronize().expect("synchronize before reading free memory");
+    ctx.synchronize()
+        .expect("synchronize before reading free memory");
     memory_info(ctx).expect("cuMemGetInfo").0
 }
 
