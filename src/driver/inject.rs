@@ -3,7 +3,7 @@
 //! is also always on in this crate's own unit tests); tests reach it as
 //! `stablebuf::fault_injection`.
 //!
-//! Every driver call goes through [`super::traced`], which asks this module first:
+//! Every driver call goes through `driver::traced`, which asks this module first:
 //!
 //! ```text
 //!   traced("cuMemCreate", bytes, f) ─▶ record the call ─▶ a fault armed for it? ─ no ─▶ f()
