@@ -1295,13 +1295,23 @@ impl World {
         Ok(text)
     }
 
-    /// The contents of held snapshots under `ri`'s span are fixed from now on.
+    /// The contents of held snapshots under `ri`'s span are fixed from now on: the allocations
+    /// the span backs (not those in chunks of their own past it).
     fn freeze_span(&mut self, ri: usize) {
         let reg = &self.regions[ri];
-        let Some(id) = reg.span.and_then(|s| s.id) else {
+        let Some(Span {
+            bytes,
+            id: Some(id),
+        }) = reg.span
+        else {
             return;
         };
-        let contents = reg.allocs.clone();
+        let contents: BTreeMap<usize, Alloc> = reg
+            .allocs
+            .iter()
+            .filter(|(&o, a)| !reg.pieces.contains_key(&o) && o + a.rounded <= bytes)
+            .map(|(&o, &a)| (o, a))
+            .collect();
         for snap in &mut self.snaps {
             if snap.s.id() == id {
                 snap.frozen = Some(contents.clone());

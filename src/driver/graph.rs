@@ -65,16 +65,21 @@ pub(crate) fn begin_capture(stream: &CudaStream) -> Result<()> {
 }
 
 /// Ends the capture on `stream`. `None` when nothing was captured.
+///
+/// The capture is ended even when binding the context fails (that error is returned after,
+/// with the graph destroyed): a stream left capturing would capture, or refuse, everything
+/// enqueued on it from then on.
 pub(crate) fn end_capture(stream: &CudaStream) -> Result<Option<Graph>> {
-    bind_context(stream.context())?;
+    let bound = bind_context(stream.context());
     let graph = traced("cuStreamEndCapture", 0, || {
         // SAFETY: the stream is live; the returned graph (if any) is owned by us from now on.
         unsafe { result::stream::end_capture(stream.cu_stream()) }
     })?;
-    Ok((!graph.is_null()).then(|| Graph {
+    let graph = (!graph.is_null()).then(|| Graph {
         ctx: stream.context().clone(),
         graph,
-    }))
+    });
+    bound.map(|()| graph)
 }
 
 impl Graph {
