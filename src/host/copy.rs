@@ -100,6 +100,23 @@ fn window(pieces: &[Piece], at: usize, len: usize) -> Vec<(Piece, usize)> {
     out
 }
 
+/// Ends a transfer: on failure, first waits for the copies it may have left in flight on
+/// `stream`, so that the memory on both sides can be let go at once (callers unmap the device
+/// range of a failed restore, and the arena hands its regions out again). Without the wait, a
+/// failed synchronize would unmap memory a DMA is still writing: a GPU fault. If even the wait
+/// fails, the whole context is waited for (a context whose waits fail is beyond saving anyway).
+fn settle(stream: &Arc<CudaStream>, outcome: Result<()>) -> Result<()> {
+    if outcome.is_err() {
+        if let Err(wait) = driver::synchronize_stream(stream) {
+            tracing::error!(%wait, "waiting for the copies of a failed transfer failed");
+            if let Err(wait) = driver::synchronize_context(stream.context()) {
+                tracing::error!(%wait, "waiting for the context after a failed transfer failed");
+            }
+        }
+    }
+    outcome
+}
+
 /// Copies `bytes` at `device` into new host storage; returns once the copy is complete. Host
 /// memory is acquired before anything is copied, so a refusal changes nothing.
 pub(crate) fn save(
@@ -121,11 +138,14 @@ pub(crate) fn save_pieces(
 ) -> Result<HostCopy> {
     let bytes: usize = pieces.iter().map(|p| p.bytes).sum();
     let direct = |host: &dyn Fn(usize, usize) -> Result<*mut u8>| -> Result<()> {
-        for piece in pieces {
+        let copied = pieces.iter().try_for_each(|piece| {
             let target = host(piece.host_offset, piece.bytes)?;
-            host::copy_to_host(stream, target, piece.device, piece.bytes)?;
-        }
-        driver::synchronize_stream(stream)
+            host::copy_to_host(stream, target, piece.device, piece.bytes)
+        });
+        settle(
+            stream,
+            copied.and_then(|()| driver::synchronize_stream(stream)),
+        )
     };
     let copy = match storage {
         HostStorage::Discard => HostCopy::Discarded,
@@ -143,7 +163,9 @@ pub(crate) fn save_pieces(
             None => {
                 let mut data = pageable(bytes)?;
                 match staging(arena) {
-                    Some(halves) => save_staged(stream, pieces, &mut data, &halves)?,
+                    Some(halves) => {
+                        settle(stream, save_staged(stream, pieces, &mut data, &halves))?
+                    }
                     None => {
                         let base = data.as_mut_ptr();
                         direct(&|offset, len| inside(base, bytes, offset, len))?;
@@ -226,11 +248,14 @@ pub(crate) fn load_pieces(
     pieces: &[Piece],
 ) -> Result<()> {
     let direct = |host: &dyn Fn(usize, usize) -> Result<*mut u8>| -> Result<()> {
-        for piece in pieces {
+        let copied = pieces.iter().try_for_each(|piece| {
             let source = host(piece.host_offset, piece.bytes)?.cast_const();
-            host::copy_to_device(stream, piece.device, source, piece.bytes)?;
-        }
-        driver::synchronize_stream(stream)
+            host::copy_to_device(stream, piece.device, source, piece.bytes)
+        });
+        settle(
+            stream,
+            copied.and_then(|()| driver::synchronize_stream(stream)),
+        )
     };
     match copy {
         HostCopy::Discarded => Ok(()),
@@ -240,7 +265,8 @@ pub(crate) fn load_pieces(
             direct(&|offset, len| inside(base, data.len(), offset, len))
         }
         HostCopy::Staged { data, arena } => match staging(arena) {
-            Some(halves) => load_staged(stream, pieces, data, &halves),
+            // Settled before the staging halves go back to the arena.
+            Some(halves) => settle(stream, load_staged(stream, pieces, data, &halves)),
             None => {
                 let base = data.as_ptr().cast_mut();
                 direct(&|offset, len| inside(base, data.len(), offset, len))
