@@ -281,11 +281,7 @@ impl Dataset {
                 Ok(saved) => saved,
                 Err(error) => {
                     // Still on the device with its contents: put it back where it was bound.
-                    for binder in &unbound_from {
-                        if let Err(rebind) = binder.bind_again(self) {
-                            tracing::error!(%rebind, dataset = id, "could not rebind after a failed offload");
-                        }
-                    }
+                    self.bind_again_in(&unbound_from);
                     return Err(error);
                 }
             };
@@ -361,7 +357,8 @@ impl Dataset {
     }
 
     /// Unbinds this dataset from every space it is bound in (each after its fence); returns
-    /// those it was unbound from.
+    /// those it was unbound from. All or nothing: if one unbind fails, the dataset is bound
+    /// again in those it was already taken out of, and the error returned.
     fn unbind_all(&self) -> Result<Vec<Arc<dyn Binder>>> {
         let binders = self
             .bound_in
@@ -370,11 +367,25 @@ impl Dataset {
             .clone();
         let mut unbound = Vec::new();
         for binder in binders.iter().filter_map(Weak::upgrade) {
-            if binder.unbind_dataset(self.id, self.group_index)? {
-                unbound.push(binder);
+            match binder.unbind_dataset(self.id, self.group_index) {
+                Ok(true) => unbound.push(binder),
+                Ok(false) => {}
+                Err(error) => {
+                    self.bind_again_in(&unbound);
+                    return Err(error);
+                }
             }
         }
         Ok(unbound)
+    }
+
+    /// Binds this dataset again in `binders` (undoing [`Dataset::unbind_all`]), logging failures.
+    fn bind_again_in(&self, binders: &[Arc<dyn Binder>]) {
+        for binder in binders {
+            if let Err(rebind) = binder.bind_again(self) {
+                tracing::error!(%rebind, dataset = self.id, "could not bind a dataset back after a failed offload");
+            }
+        }
     }
 
     /// (offset, bytes) of each run of adjacent input slots, for copy-in binds.

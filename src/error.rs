@@ -389,6 +389,18 @@ pub enum ProtocolError {
     /// The message kind byte names no known message (the value is that byte).
     #[error("unknown message kind {0}")]
     UnknownKind(u8),
+    /// Bytes follow the message's last field (the value: how many).
+    #[error("{extra} bytes follow the message's last field")]
+    TrailingBytes {
+        /// Bytes after the last field.
+        extra: usize,
+    },
+    /// A string field is longer than the protocol allows.
+    #[error("a string field of {bytes} bytes is over the limit")]
+    StringTooLong {
+        /// The announced length of the string.
+        bytes: usize,
+    },
     /// A string field (a group name, a reason) is not valid UTF-8.
     #[error("a string field is not UTF-8")]
     BadUtf8,

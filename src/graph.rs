@@ -5,7 +5,7 @@
 //! it: [`StableGraph::check_update`]. Because slot addresses never change, a rebind leaves the
 //! captured parameters valid, and the check comes back `Success` with nothing to patch.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaStream;
@@ -149,16 +149,38 @@ impl NodeKind {
 /// bound; otherwise it returns [`Error::Unbound`] and launches nothing, so a missing binding is
 /// an error rather than an illegal-address fault. The graph keeps its spaces' addresses reserved
 /// for as long as it lives.
+///
+/// # Threads
+/// `StableGraph` is `Send` and `Sync`: share it (`Arc<StableGraph>`, or `&StableGraph` in scoped
+/// threads) and call [`replay`](StableGraph::replay) from several threads at once. Launches of
+/// one graph are serialised by the spaces' locks and by a lock on the executable (the driver
+/// does not synchronise calls on one executable), so each launch is enqueued whole, in the order
+/// the threads got the locks; the GPU runs launches of one executable one after the other anyway.
+/// Re-capturing ([`check_update`](StableGraph::check_update),
+/// [`update_with`](StableGraph::update_with)) takes `&mut self`: it replaces what replays use.
 pub struct StableGraph {
     // Field order is drop order: the executable and graph go before the spaces they point into.
-    exec: raw::Exec,
-    graph: raw::Graph,
-    work: Work,
+    handles: Mutex<Handles>,
+    /// Only used through `&mut self` (`get_mut`, never locked): the lock is what makes the
+    /// closure, which need not be `Sync`, shareable.
+    work: Mutex<Work>,
     stream: Arc<CudaStream>,
     spaces: Vec<Arc<SpaceShared>>,
     capture_time: Duration,
     instantiate_time: Duration,
 }
+
+/// The driver objects of a graph. Field order is drop order: the executable before the graph.
+struct Handles {
+    exec: raw::Exec,
+    graph: raw::Graph,
+}
+
+// `StableGraph` must stay shareable between threads (see its docs).
+const _: fn() = || {
+    fn send_and_sync<T: Send + Sync>() {}
+    send_and_sync::<StableGraph>();
+};
 
 impl std::fmt::Debug for StableGraph {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -221,9 +243,8 @@ impl StableGraph {
             "graph captured"
         );
         Ok(Self {
-            exec,
-            graph,
-            work,
+            handles: Mutex::new(Handles { exec, graph }),
+            work: Mutex::new(work),
             stream: stream.clone(),
             spaces: shared,
             capture_time,
@@ -244,19 +265,41 @@ impl StableGraph {
     fn launch(&self, stream: &Arc<CudaStream>) -> Result<()> {
         // Locks in id order (no deadlock between graphs over the same spaces); held until the
         // launch is enqueued so no bind can unmap between the check and the launch. A later
-        // bind waits for this launch on the fence.
+        // bind waits for this launch on the fence. The executable's lock comes last, and
+        // nothing that holds it takes a space's lock.
         let _locks = self
             .spaces
             .iter()
             .map(|space| space.lock_replayable(stream))
             .collect::<Result<Vec<_>>>()?;
-        self.exec.launch(stream)
+        self.handles().exec.launch(stream)
+    }
+
+    fn handles(&self) -> MutexGuard<'_, Handles> {
+        // A launch or a node query cannot leave the handles half-changed: a poisoned lock still
+        // guards valid handles.
+        self.handles
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn handles_mut(&mut self) -> &mut Handles {
+        self.handles
+            .get_mut()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn work_mut(&mut self) -> &mut Work {
+        self.work
+            .get_mut()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// Re-captures the graph's own work and asks the driver to update the executable with it.
     /// `Success` proves the executable is reusable as it is (after any rebind).
     pub fn check_update(&mut self) -> Result<UpdateReport> {
-        let (graph, capture_time) = capture_graph(&self.stream, &mut self.work)?;
+        let stream = self.stream.clone();
+        let (graph, capture_time) = capture_graph(&stream, self.work_mut())?;
         self.try_update(graph, capture_time)
             .map(|(report, _)| report)
     }
@@ -272,8 +315,8 @@ impl StableGraph {
         let (graph, capture_time) = capture_graph(&self.stream, &mut work)?;
         let (report, graph) = self.try_update(graph, capture_time)?;
         if report.is_success() {
-            self.work = work;
-            self.graph = graph;
+            *self.work_mut() = work;
+            self.handles_mut().graph = graph;
         }
         Ok(report)
     }
@@ -284,7 +327,7 @@ impl StableGraph {
         capture_time: Duration,
     ) -> Result<(UpdateReport, raw::Graph)> {
         let start = Instant::now();
-        let raw = self.exec.update(&graph)?;
+        let raw = self.handles_mut().exec.update(&graph)?;
         let report = UpdateReport {
             outcome: UpdateOutcome::from_code(raw.result_code),
             error_node: raw.error_node,
@@ -298,6 +341,7 @@ impl StableGraph {
     /// The kind of every node of the captured graph.
     pub fn node_kinds(&self) -> Result<Vec<NodeKind>> {
         Ok(self
+            .handles()
             .graph
             .node_types()?
             .into_iter()

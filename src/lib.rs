@@ -115,6 +115,8 @@
 //! ## Features
 //! - `timeline` (default): the SVG timelines of pools and regions, drawn with `plotters`.
 //! - `cuda-13000` (default), `cuda-12090`, `cuda-12040`: which CUDA bindings cudarc uses.
+//! - `fault-injection` (off): a test seam in the driver layer that makes chosen driver calls
+//!   fail (`tests/gpu_faults.rs`); not for production builds.
 
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
@@ -171,3 +173,9 @@ pub mod vmm {
 
 /// cudarc, re-exported so users name the same version's contexts and streams.
 pub use cudarc;
+
+/// Test support: make chosen driver calls fail, record the calls an operation makes, count the
+/// driver handles alive (feature `fault-injection`; not part of the stable API).
+#[cfg(feature = "fault-injection")]
+#[doc(hidden)]
+pub use driver::inject as fault_injection;

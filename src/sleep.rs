@@ -44,28 +44,60 @@ impl Space {
     /// Puts the space to sleep: every dataset among `datasets` that is bound here is offloaded to
     /// `storage` (unbinding it after the GPU is done with it), and the scratch memory is released
     /// (its contents are not kept). Replays fail with [`Error::Asleep`](crate::Error::Asleep)
-    /// until [`Space::wake`]. Datasets bound here but not passed stay bound.
+    /// until [`Space::wake`]. Datasets bound here but not passed stay bound. No-op if asleep
+    /// (the first sleep's record of what to bind at wake is kept).
+    ///
+    /// All or nothing: if an offload fails (say, no host memory), the datasets this call already
+    /// offloaded are restored and bound here again, and the space stays awake.
     pub fn sleep<'a>(
         &self,
         datasets: impl IntoIterator<Item = &'a mut Dataset>,
         storage: &HostStorage,
         stream: &Arc<CudaStream>,
     ) -> Result<Vec<TransferReport>> {
+        if self.is_asleep() {
+            return Ok(Vec::new());
+        }
         let bound = self.shared.bound_datasets();
         let mut reports = Vec::new();
+        let mut offloaded: Vec<&'a mut Dataset> = Vec::new();
+        let mut failure = None;
         for dataset in datasets
             .into_iter()
             .filter(|d| bound.contains(&Some(d.id())))
         {
-            reports.push(dataset.offload(storage, stream)?);
+            match dataset.offload(storage, stream) {
+                Ok(report) => {
+                    reports.push(report);
+                    offloaded.push(dataset);
+                }
+                Err(error) => {
+                    failure = Some(error);
+                    break;
+                }
+            }
         }
-        self.shared.enter_sleep(bound)?;
+        let failure = match failure {
+            Some(error) => Some(error),
+            None => self.shared.enter_sleep(bound).err(),
+        };
+        if let Some(error) = failure {
+            for dataset in offloaded.into_iter().rev() {
+                if let Err(undo) = dataset.restore(stream).and_then(|_| self.bind(dataset)) {
+                    tracing::error!(%undo, dataset = dataset.id(), "could not bring a dataset back after a failed sleep");
+                }
+            }
+            return Err(error);
+        }
         Ok(reports)
     }
 
     /// Wakes a sleeping space: new scratch memory (uninitialised) at the same addresses, and
     /// every dataset among `datasets` that was bound at sleep restored and bound again, so
     /// graphs captured before the sleep replay on the same contents. No-op when awake.
+    ///
+    /// If a restore or bind fails (say, out of device memory), the space stays asleep and the
+    /// error is returned; what was restored and bound so far stays so, and a retry continues.
     pub fn wake<'a>(
         &self,
         datasets: impl IntoIterator<Item = &'a mut Dataset>,

@@ -123,6 +123,12 @@ fn device_queries_without_a_driver_are_typed_errors() {
     if stablebuf::driver_present() {
         return; // a machine with a driver answers for real; the GPU suite covers it
     }
-    assert!(matches!(stablebuf::device_count(), Err(stablebuf::Error::NoDriver)));
-    assert!(matches!(stablebuf::can_access_peer(0, 1), Err(stablebuf::Error::NoDriver)));
+    assert!(matches!(
+        stablebuf::device_count(),
+        Err(stablebuf::Error::NoDriver)
+    ));
+    assert!(matches!(
+        stablebuf::can_access_peer(0, 1),
+        Err(stablebuf::Error::NoDriver)
+    ));
 }

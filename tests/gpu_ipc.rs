@@ -6,9 +6,13 @@
 
 mod common;
 
+use std::io::{BufRead, BufReader};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
-use std::process::{Child, Command};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
 
 use common::{assert_matches, capture_matmul, cpu_matmul, random_vec};
 use rand::{rngs::StdRng, SeedableRng};
@@ -34,6 +38,29 @@ fn pattern_layout(extra: usize) -> Layout {
 fn pattern(i: usize) -> u32 {
     ((i as u32).wrapping_mul(2).wrapping_add(1337)) ^ 0xDEAD_BEEF
 }
+
+/// The small dataset a producer is killed while sharing.
+const KILLED_LEN: usize = 1 << 20; // u32 elements: 4 MiB
+
+fn killed_layout() -> Layout {
+    Layout::builder()
+        .group("data")
+        .input("pattern", KILLED_LEN * 4)
+        .build()
+        .unwrap()
+}
+
+/// Where a producer is killed: after connecting; after making its dataset; after sending a
+/// frame's length only; after half a frame with the descriptor; after the whole offer; after
+/// reading the consumer's ack.
+const KILL_STEPS: [&str; 6] = [
+    "connected",
+    "allocated",
+    "header",
+    "half",
+    "offered",
+    "acked",
+];
 
 fn matmul_layout() -> Layout {
     Layout::builder()
@@ -100,6 +127,55 @@ fn producer(role: &str) -> i32 {
                 }
             }
         }
+        "killed" => {
+            // Does the protocol up to the step it is told, says so on stdout, and waits to be
+            // killed (SIGKILL) by the consumer there.
+            let step = std::env::var("STABLEBUF_IPC_STEP").unwrap();
+            let ready = || -> ! {
+                println!("ready");
+                std::io::Write::flush(&mut std::io::stdout()).unwrap();
+                std::thread::sleep(Duration::from_secs(60));
+                eprintln!("producer: never killed at step {step}");
+                std::process::exit(4);
+            };
+            if step == "connected" {
+                ready();
+            }
+            let space = Space::with_options(&ctx, killed_layout(), shareable).unwrap();
+            let d = space.new_dataset("data").unwrap();
+            d.write(
+                &stream,
+                "pattern",
+                &(0..KILLED_LEN).map(pattern).collect::<Vec<_>>(),
+            )
+            .unwrap();
+            if step == "allocated" {
+                ready();
+            }
+            let offer = Offer {
+                layout_fingerprint: space.layout().fingerprint(),
+                group: "data".into(),
+                bytes: d.bytes() as u64,
+                granularity: stablebuf::vmm::granularity(&ctx, true).unwrap() as u64,
+                device_uuid: ctx.uuid().unwrap().bytes.map(|b| b as u8),
+                dataset: d.id(),
+            };
+            let frame = Message::Offer(offer).frame();
+            match step.as_str() {
+                "header" => std::io::Write::write_all(&mut &socket, &frame[..4]).unwrap(),
+                "half" => {
+                    let fd = d.export().unwrap();
+                    send_with_descriptor(&socket, &frame[..frame.len() / 2], &fd);
+                }
+                "offered" => send_dataset(&socket, &d).unwrap(),
+                "acked" => {
+                    send_dataset(&socket, &d).unwrap();
+                    wait_ack(&socket, d.id()).unwrap();
+                }
+                other => panic!("unknown step {other}"),
+            }
+            ready();
+        }
         "malformed" => {
             // 1. A frame that is not a stablebuf message.
             std::io::Write::write_all(&mut &socket, &[4, 0, 0, 0, b'J', b'U', b'N', b'K']).unwrap();
@@ -153,6 +229,51 @@ impl Peer {
         }
     }
 
+    /// A producer that stops at `step` (see [`KILL_STEPS`]) and reports it on its stdout.
+    fn spawn_to_kill(step: &str) -> Peer {
+        let path = std::env::temp_dir().join(format!(
+            "stablebuf-ipc-{}-killed-{step}.sock",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_file(&path);
+        let listener = UnixListener::bind(&path).unwrap();
+        let child = Command::new(std::env::current_exe().unwrap())
+            .env("STABLEBUF_IPC_ROLE", "killed")
+            .env("STABLEBUF_IPC_STEP", step)
+            .env("STABLEBUF_IPC_SOCKET", &path)
+            .env("STABLEBUF_SEED", "0")
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let (socket, _) = listener.accept().unwrap();
+        Peer {
+            child,
+            socket,
+            path,
+        }
+    }
+
+    /// Waits until the producer says it reached its step.
+    fn wait_ready(&mut self) {
+        let stdout = self.child.stdout.as_mut().expect("piped stdout");
+        let mut line = String::new();
+        BufReader::new(stdout).read_line(&mut line).unwrap();
+        assert_eq!(line.trim(), "ready", "the producer died before its step");
+    }
+
+    /// SIGKILL, then reap it.
+    fn kill(mut self) -> UnixStream {
+        self.child.kill().unwrap();
+        let status = self.child.wait().unwrap();
+        assert_eq!(
+            status.signal(),
+            Some(9),
+            "the producer was not killed: {status}"
+        );
+        let _ = std::fs::remove_file(&self.path);
+        self.socket
+    }
+
     fn finish(mut self) {
         let status = self.child.wait().unwrap();
         let _ = std::fs::remove_file(&self.path);
@@ -162,6 +283,46 @@ impl Peer {
 
 fn open_fds() -> usize {
     std::fs::read_dir("/proc/self/fd").unwrap().count()
+}
+
+/// Sends `bytes` with `fd` attached, as `send_dataset` does, but only part of a frame.
+fn send_with_descriptor(socket: &UnixStream, bytes: &[u8], fd: &OwnedFd) {
+    use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+    let raw = [fd.as_raw_fd()];
+    let iov = [std::io::IoSlice::new(bytes)];
+    let sent = sendmsg::<()>(
+        socket.as_raw_fd(),
+        &iov,
+        &[ControlMessage::ScmRights(&raw)],
+        MsgFlags::empty(),
+        None,
+    )
+    .unwrap();
+    assert_eq!(sent, bytes.len());
+}
+
+/// [`without_leaks`] for tests that kill a process: the driver frees a dead process's memory
+/// as the process is torn down, so device memory is given a few seconds to come back.
+fn without_leaks_after_a_kill(test: impl FnOnce()) {
+    let ctx = open_device(0).unwrap();
+    ctx.synchronize().unwrap();
+    let (fds, (free, _)) = (open_fds(), memory_info(&ctx).unwrap());
+    test();
+    ctx.synchronize().unwrap();
+    assert_eq!(open_fds(), fds, "file descriptors leaked");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let (now, _) = memory_info(&ctx).unwrap();
+        let lost = free.saturating_sub(now);
+        if lost <= 2 << 20 {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "device memory leaked: {lost} bytes"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 /// Runs `test` and checks that no descriptor and no device memory outlive it.
@@ -278,12 +439,85 @@ fn malformed_messages_foreign_fds_and_a_dying_producer_are_typed_errors() {
     });
 }
 
+fn a_producer_killed_at_each_protocol_step_leaves_typed_errors_and_no_leak() {
+    let ctx = open_device(0).unwrap();
+    let stream = ctx.new_stream().unwrap();
+    for step in KILL_STEPS {
+        without_leaks_after_a_kill(|| {
+            let space = Space::new(&ctx, killed_layout()).unwrap();
+            let mut peer = Peer::spawn_to_kill(step);
+            let check = |dataset: &stablebuf::Dataset| {
+                space.bind(dataset).unwrap();
+                let got: Vec<u32> = space.read(&stream, "pattern").unwrap();
+                let bad = got
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, v)| **v != pattern(*i))
+                    .count();
+                assert_eq!(bad, 0, "{step}: {bad} elements differ");
+            };
+            match step {
+                "acked" => {
+                    // The producer waits for our ack before its step: answer it first.
+                    let (dataset, offer) = receive_dataset(&peer.socket, &space).unwrap();
+                    send_ack(&peer.socket, offer.dataset).unwrap();
+                    peer.wait_ready();
+                    let socket = peer.kill();
+                    check(&dataset); // the memory outlives its maker
+                    assert!(matches!(
+                        receive_message(&socket),
+                        Err(Error::Protocol(ProtocolError::Closed))
+                    ));
+                }
+                "offered" => {
+                    peer.wait_ready();
+                    let socket = peer.kill();
+                    // The offer and its descriptor were delivered before the kill. Whether the
+                    // driver still imports memory whose exporter died is its business: either
+                    // the data is intact or the import is a typed error.
+                    match receive_dataset(&socket, &space) {
+                        Ok((dataset, offer)) => {
+                            check(&dataset);
+                            eprintln!("consumer: imported after the producer died; data intact");
+                            match send_ack(&socket, offer.dataset) {
+                                Err(Error::Io { .. }) => {}
+                                other => panic!("{step}: an ack to a dead producer gave {other:?}"),
+                            }
+                        }
+                        Err(Error::Driver {
+                            call: "cuMemImportFromShareableHandle",
+                            result,
+                            ..
+                        }) => eprintln!(
+                            "consumer: import after the producer died refused: {result:?}"
+                        ),
+                        Err(other) => panic!("{step}: {other:?}"),
+                    }
+                }
+                _ => {
+                    peer.wait_ready();
+                    let socket = peer.kill();
+                    let got = receive_dataset(&socket, &space);
+                    let typed = match step {
+                        "connected" | "allocated" => {
+                            matches!(got, Err(Error::Protocol(ProtocolError::Closed)))
+                        }
+                        _ => matches!(got, Err(Error::Protocol(ProtocolError::Truncated { .. }))),
+                    };
+                    assert!(typed, "{step}: {:?}", got.map(|(_, offer)| offer));
+                }
+            }
+            eprintln!("consumer: producer killed after {step}: typed errors, nothing leaked");
+        });
+    }
+}
+
 fn main() {
     if let Ok(role) = std::env::var("STABLEBUF_IPC_ROLE") {
         std::process::exit(producer(&role));
     }
     let run = std::env::args().any(|a| a == "--include-ignored" || a == "--ignored");
-    let tests: [(&str, fn()); 4] = [
+    let tests: [(&str, fn()); 5] = [
         (
             "pattern_is_verified_and_outlives_the_producer",
             pattern_is_verified_and_outlives_the_producer,
@@ -299,6 +533,10 @@ fn main() {
         (
             "malformed_messages_foreign_fds_and_a_dying_producer_are_typed_errors",
             malformed_messages_foreign_fds_and_a_dying_producer_are_typed_errors,
+        ),
+        (
+            "a_producer_killed_at_each_protocol_step_leaves_typed_errors_and_no_leak",
+            a_producer_killed_at_each_protocol_step_leaves_typed_errors_and_no_leak,
         ),
     ];
     println!("\nrunning {} tests", tests.len());

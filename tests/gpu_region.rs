@@ -306,7 +306,11 @@ fn many_cycles_leave_device_memory_at_its_baseline() {
         region.free(addresses[cycle % 4]).unwrap();
         region.alloc(5 * MIB).unwrap();
         region.sleep(&HostStorage::Discard, &gpu.stream).unwrap();
-        assert_eq!(region.stats().host_bytes, 0, "discarded bytes are held nowhere");
+        assert_eq!(
+            region.stats().host_bytes,
+            0,
+            "discarded bytes are held nowhere"
+        );
         region.wake(&gpu.stream).unwrap();
     }
     gpu.ctx.synchronize().unwrap();

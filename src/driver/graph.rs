@@ -65,16 +65,21 @@ pub(crate) fn begin_capture(stream: &CudaStream) -> Result<()> {
 }
 
 /// Ends the capture on `stream`. `None` when nothing was captured.
+///
+/// The capture is ended even when binding the context fails (that error is returned after,
+/// with the graph destroyed): a stream left capturing would capture, or refuse, everything
+/// enqueued on it from then on.
 pub(crate) fn end_capture(stream: &CudaStream) -> Result<Option<Graph>> {
-    bind_context(stream.context())?;
+    let bound = bind_context(stream.context());
     let graph = traced("cuStreamEndCapture", 0, || {
         // SAFETY: the stream is live; the returned graph (if any) is owned by us from now on.
         unsafe { result::stream::end_capture(stream.cu_stream()) }
     })?;
-    Ok((!graph.is_null()).then(|| Graph {
+    let graph = (!graph.is_null()).then(|| Graph {
         ctx: stream.context().clone(),
         graph,
-    }))
+    });
+    bound.map(|()| graph)
 }
 
 impl Graph {
@@ -146,65 +151,58 @@ impl Exec {
             error_node: std::ptr::null_mut(),
             error_from_node: std::ptr::null_mut(),
         };
-        // SAFETY: `UpdateResultInfo` has the layout of CUgraphExecUpdateResultInfo (a 32-bit enum
-        // then two node handles, repr(C)); both handles are live and of the same context.
-        let status = unsafe {
-            sys::cuGraphExecUpdate_v2(
-                self.exec,
-                graph.graph,
-                (&mut info as *mut UpdateResultInfo).cast(),
-            )
-        };
-        match status {
-            sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE => {
-                let error_node = if info.error_node.is_null() {
-                    None
-                } else {
-                    graph.nodes()?.iter().position(|&n| n == info.error_node)
-                };
-                tracing::debug!(
-                    call = "cuGraphExecUpdate_v2",
-                    result = info.result,
-                    "exec update"
-                );
-                Ok(RawUpdate {
-                    result_code: info.result,
-                    error_node,
-                })
+        // A rejected update is an answer, not a failure: only other results are errors.
+        traced("cuGraphExecUpdate_v2", 0, || {
+            // SAFETY: `UpdateResultInfo` has the layout of CUgraphExecUpdateResultInfo (a 32-bit
+            // enum then two node handles, repr(C)); both handles are live and of one context.
+            let status = unsafe {
+                sys::cuGraphExecUpdate_v2(
+                    self.exec,
+                    graph.graph,
+                    (&mut info as *mut UpdateResultInfo).cast(),
+                )
+            };
+            match status {
+                sys::CUresult::CUDA_SUCCESS
+                | sys::CUresult::CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE => Ok(()),
+                other => Err(cudarc::driver::DriverError(other)),
             }
-            other => Err(super::driver_error("cuGraphExecUpdate_v2", 0, other)),
-        }
+        })?;
+        let error_node = if info.error_node.is_null() {
+            None
+        } else {
+            graph.nodes()?.iter().position(|&n| n == info.error_node)
+        };
+        tracing::debug!(
+            call = "cuGraphExecUpdate_v2",
+            result = info.result,
+            "exec update"
+        );
+        Ok(RawUpdate {
+            result_code: info.result,
+            error_node,
+        })
     }
 }
 
 impl Drop for Graph {
     fn drop(&mut self) {
         let graph = self.graph;
-        let destroyed = bind_context(&self.ctx).and_then(|()| {
-            traced_raw("cuGraphDestroy", 0, || {
-                // SAFETY: owned graph, destroyed once.
-                unsafe { sys::cuGraphDestroy(graph) }
-            })
+        super::release(&self.ctx, "cuGraphDestroy", 0, || {
+            // SAFETY: owned graph, destroyed once.
+            unsafe { sys::cuGraphDestroy(graph) }
         });
-        if let Err(error) = destroyed {
-            tracing::error!(%error, "destroying a graph failed");
-        }
     }
 }
 
 impl Drop for Exec {
     fn drop(&mut self) {
         let exec = self.exec;
-        let destroyed = bind_context(&self.ctx).and_then(|()| {
-            traced_raw("cuGraphExecDestroy", 0, || {
-                // SAFETY: owned exec, destroyed once. The driver defers the destruction until
-                // launches in flight complete.
-                unsafe { sys::cuGraphExecDestroy(exec) }
-            })
+        super::release(&self.ctx, "cuGraphExecDestroy", 0, || {
+            // SAFETY: owned exec, destroyed once. The driver defers the destruction until
+            // launches in flight complete.
+            unsafe { sys::cuGraphExecDestroy(exec) }
         });
-        if let Err(error) = destroyed {
-            tracing::error!(%error, "destroying a graph exec failed");
-        }
     }
 }
 

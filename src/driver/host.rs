@@ -104,28 +104,28 @@ impl PinnedHost {
 impl Drop for PinnedHost {
     fn drop(&mut self) {
         let (ptr, bytes) = (self.ptr, self.bytes);
-        let freed = bind_context(&self.ctx).and_then(|()| match self.registered.take() {
+        match self.registered.take() {
             Some(buffer) => {
-                let unregistered = traced_raw("cuMemHostUnregister", bytes, || {
+                let mut unregistered = true;
+                super::release(&self.ctx, "cuMemHostUnregister", bytes, || {
                     // SAFETY: registered in `register` and unregistered once; owners wait for
                     // their copies before dropping it.
-                    unsafe { sys::cuMemHostUnregister(ptr.cast()) }
+                    let result = unsafe { sys::cuMemHostUnregister(ptr.cast()) };
+                    unregistered = result == sys::CUresult::CUDA_SUCCESS;
+                    result
                 });
-                match unregistered {
-                    Ok(()) => drop(buffer),
+                if unregistered {
+                    drop(buffer);
+                } else {
                     // Still known to the driver: keep the memory rather than free it under it.
-                    Err(_) => std::mem::forget(buffer),
+                    std::mem::forget(buffer);
                 }
-                unregistered
             }
-            None => traced("cuMemFreeHost", bytes, || {
+            None => super::release(&self.ctx, "cuMemFreeHost", bytes, || {
                 // SAFETY: allocated by cuMemHostAlloc and freed once; owners wait for their
                 // copies before dropping it.
-                unsafe { result::free_host(ptr.cast()) }
+                unsafe { sys::cuMemFreeHost(ptr.cast()) }
             }),
-        });
-        if let Err(error) = freed {
-            tracing::error!(%error, bytes, "freeing pinned host memory failed");
         }
     }
 }

@@ -51,15 +51,10 @@ impl LinearBuffer {
 impl Drop for LinearBuffer {
     fn drop(&mut self) {
         let (ptr, bytes) = (self.ptr, self.bytes);
-        let freed = bind_context(&self.ctx).and_then(|()| {
-            traced_raw("cuMemFree", bytes, || {
-                // SAFETY: `ptr` came from cuMemAlloc and is freed once, here. cuMemFree waits
-                // for outstanding work on the device before releasing the memory.
-                unsafe { sys::cuMemFree_v2(ptr) }
-            })
+        super::release(&self.ctx, "cuMemFree", bytes, || {
+            // SAFETY: `ptr` came from cuMemAlloc and is freed once, here. cuMemFree waits
+            // for outstanding work on the device before releasing the memory.
+            unsafe { sys::cuMemFree_v2(ptr) }
         });
-        if let Err(error) = freed {
-            tracing::error!(%error, ptr, bytes, "cuMemFree failed");
-        }
     }
 }

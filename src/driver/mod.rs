@@ -4,12 +4,16 @@
 //! `Drop` and every `CUresult` into an [`Error`] that names the call. Everything above it is safe.
 //!
 //! Every driver call goes through [`traced`]: a `debug` span named after the call, with the bytes
-//! it concerns, and a `debug` event with its duration and result.
+//! it concerns, and a `debug` event with its duration and result. With the `fault-injection`
+//! feature, [`traced`] is also the seam where tests make a chosen call fail ([`inject`]); the
+//! wrappers here are then `#[track_caller]`, so a call is known by the line that made it.
 
 pub(crate) mod blas;
 pub(crate) mod device;
 pub(crate) mod graph;
 pub(crate) mod host;
+#[cfg(any(test, feature = "fault-injection"))]
+pub mod inject;
 pub(crate) mod interop;
 pub(crate) mod launch;
 pub(crate) mod linear;
@@ -26,6 +30,7 @@ use cudarc::driver::{sys, CudaContext, CudaStream, DriverError};
 use crate::error::{Error, Result};
 
 /// Runs one driver call inside a tracing span and maps its failure to a typed [`Error`].
+#[cfg_attr(any(test, feature = "fault-injection"), track_caller)]
 pub(crate) fn traced<T>(
     call: &'static str,
     bytes: usize,
@@ -34,6 +39,9 @@ pub(crate) fn traced<T>(
     let span = tracing::debug_span!("cuda", call, bytes);
     let _entered = span.enter();
     let start = Instant::now();
+    #[cfg(any(test, feature = "fault-injection"))]
+    let outcome = inject::intercept(call, bytes, std::panic::Location::caller(), f);
+    #[cfg(not(any(test, feature = "fault-injection")))]
     let outcome = f();
     let micros = start.elapsed().as_secs_f64() * 1e6;
     match outcome {
@@ -49,12 +57,31 @@ pub(crate) fn traced<T>(
 }
 
 /// [`traced`] for a raw `sys` call that returns a bare `CUresult`.
+#[cfg_attr(any(test, feature = "fault-injection"), track_caller)]
 pub(crate) fn traced_raw(
     call: &'static str,
     bytes: usize,
     f: impl FnOnce() -> sys::CUresult,
 ) -> Result<()> {
     traced(call, bytes, || f().result())
+}
+
+/// Makes a release-type call (unmap, release, free, destroy) from a `Drop`, logging a failure.
+/// The context is bound first, but the call is made even if binding fails: it either needs no
+/// current context or reports its own error, and skipping it would leak the handle for sure.
+#[cfg_attr(any(test, feature = "fault-injection"), track_caller)]
+pub(crate) fn release(
+    ctx: &CudaContext,
+    call: &'static str,
+    bytes: usize,
+    f: impl FnOnce() -> sys::CUresult,
+) {
+    if let Err(error) = bind_context(ctx) {
+        tracing::warn!(%error, call, "binding the context before a release failed; releasing anyway");
+    }
+    if let Err(error) = traced_raw(call, bytes, f) {
+        tracing::error!(%error, call, bytes, "a release failed");
+    }
 }
 
 pub(crate) fn driver_error(call: &'static str, bytes: usize, result: sys::CUresult) -> Error {
@@ -116,26 +143,31 @@ pub fn open_device(ordinal: usize) -> Result<Arc<CudaContext>> {
 }
 
 /// Makes `ctx` current on this thread: raw `sys` calls do not do it themselves.
+#[cfg_attr(any(test, feature = "fault-injection"), track_caller)]
 pub(crate) fn bind_context(ctx: &CudaContext) -> Result<()> {
     traced("cuCtxSetCurrent", 0, || ctx.bind_to_thread())
 }
 
 /// Free and total device memory of `ctx`'s device, in bytes (`cuMemGetInfo`).
+#[cfg_attr(any(test, feature = "fault-injection"), track_caller)]
 pub fn memory_info(ctx: &CudaContext) -> Result<(usize, usize)> {
     traced("cuMemGetInfo", 0, || ctx.mem_get_info())
 }
 
 /// Whether `stream` is capturing right now.
+#[cfg_attr(any(test, feature = "fault-injection"), track_caller)]
 pub(crate) fn is_capturing(stream: &CudaStream) -> Result<bool> {
     let status = traced("cuStreamIsCapturing", 0, || stream.capture_status())?;
     Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
 }
 
+#[cfg_attr(any(test, feature = "fault-injection"), track_caller)]
 pub(crate) fn synchronize_stream(stream: &CudaStream) -> Result<()> {
     traced("cuStreamSynchronize", 0, || stream.synchronize())
 }
 
 /// Enqueues a device-to-device copy of `bytes` from `source` to `target` on `stream`.
+#[cfg_attr(any(test, feature = "fault-injection"), track_caller)]
 pub(crate) fn copy_device(
     stream: &CudaStream,
     source: sys::CUdeviceptr,
@@ -152,6 +184,7 @@ pub(crate) fn copy_device(
     })
 }
 
+#[cfg_attr(any(test, feature = "fault-injection"), track_caller)]
 pub(crate) fn synchronize_context(ctx: &CudaContext) -> Result<()> {
     traced("cuCtxSynchronize", 0, || ctx.synchronize())
 }

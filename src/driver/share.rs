@@ -77,13 +77,19 @@ pub(crate) fn send_with_fd(socket: &UnixStream, bytes: &[u8], fd: Option<&OwnedF
     Ok(())
 }
 
+/// The most descriptors Linux passes with one message (`SCM_MAX_FD`). Receiving with room for
+/// that many means the kernel never truncates them: with less room it delivers some, sets
+/// `MSG_CTRUNC`, and nix then refuses to list even the delivered ones, which would leak them.
+const MAX_FDS_PER_MESSAGE: usize = 253;
+
 /// Receives up to `buffer.len()` bytes and any descriptors sent with them (taking ownership, so
-/// each is closed exactly once). Returns the byte count (0 = the peer closed the socket).
+/// each is closed exactly once, however many came). Returns the byte count (0 = the peer closed
+/// the socket).
 pub(crate) fn receive_with_fds(
     socket: &UnixStream,
     buffer: &mut [u8],
 ) -> Result<(usize, Vec<OwnedFd>)> {
-    let mut space = nix::cmsg_space!([RawFd; 4]);
+    let mut space = nix::cmsg_space!([RawFd; MAX_FDS_PER_MESSAGE]);
     let mut iov = [IoSliceMut::new(buffer)];
     let flags = MsgFlags::MSG_CMSG_CLOEXEC;
     let message = match recvmsg::<()>(socket.as_raw_fd(), &mut iov, Some(&mut space), flags) {
@@ -93,8 +99,20 @@ pub(crate) fn receive_with_fds(
         Err(nix::errno::Errno::ECONNRESET) => return Ok((0, Vec::new())),
         Err(e) => return Err(io_error("recvmsg", e)),
     };
+    let cmsgs = match message.cmsgs() {
+        Ok(cmsgs) => cmsgs,
+        // Truncated control data (cannot happen with room for SCM_MAX_FD descriptors).
+        Err(nix::errno::Errno::ENOBUFS) => {
+            return Err(Error::Protocol(
+                crate::error::ProtocolError::UnexpectedFds {
+                    count: MAX_FDS_PER_MESSAGE + 1,
+                },
+            ))
+        }
+        Err(e) => return Err(io_error("recvmsg", e)),
+    };
     let mut fds = Vec::new();
-    for cmsg in message.cmsgs().map_err(|e| io_error("recvmsg", e))? {
+    for cmsg in cmsgs {
         if let ControlMessageOwned::ScmRights(received) = cmsg {
             // SAFETY: SCM_RIGHTS gave this process new descriptors that nothing else owns.
             fds.extend(
@@ -103,13 +121,6 @@ pub(crate) fn receive_with_fds(
                     .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
             );
         }
-    }
-    if message.flags.contains(MsgFlags::MSG_CTRUNC) {
-        return Err(Error::Protocol(
-            crate::error::ProtocolError::UnexpectedFds {
-                count: fds.len() + 1,
-            },
-        ));
     }
     Ok((message.bytes, fds))
 }

@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaContext};
 
-use super::{bind_context, traced_raw};
+use super::{bind_context, release, traced_raw};
 use crate::error::{Error, Result};
 
 /// Where physical memory lives.
@@ -154,16 +154,11 @@ impl Reservation {
 impl Drop for Reservation {
     fn drop(&mut self) {
         let (base, bytes) = (self.base, self.bytes);
-        let freed = bind_context(&self.ctx).and_then(|()| {
-            traced_raw("cuMemAddressFree", bytes, || {
-                // SAFETY: the range came from cuMemAddressReserve with this size, and every
-                // Mapping inside it holds an Arc of this Reservation, so none is left mapped.
-                unsafe { sys::cuMemAddressFree(base, bytes) }
-            })
+        release(&self.ctx, "cuMemAddressFree", bytes, || {
+            // SAFETY: the range came from cuMemAddressReserve with this size, and every
+            // Mapping inside it holds an Arc of this Reservation, so none is left mapped.
+            unsafe { sys::cuMemAddressFree(base, bytes) }
         });
-        if let Err(error) = freed {
-            tracing::error!(%error, base, bytes, "freeing a reservation failed");
-        }
     }
 }
 
@@ -250,16 +245,11 @@ impl Physical {
 impl Drop for Physical {
     fn drop(&mut self) {
         let (handle, bytes) = (self.handle, self.bytes);
-        let released = bind_context(&self.ctx).and_then(|()| {
-            traced_raw("cuMemRelease", bytes, || {
-                // SAFETY: the handle came from cuMemCreate and is released once, here; every
-                // Mapping of it holds an Arc of this value, so none is left mapped.
-                unsafe { sys::cuMemRelease(handle) }
-            })
+        release(&self.ctx, "cuMemRelease", bytes, || {
+            // SAFETY: the handle came from cuMemCreate and is released once, here; every
+            // Mapping of it holds an Arc of this value, so none is left mapped.
+            unsafe { sys::cuMemRelease(handle) }
         });
-        if let Err(error) = released {
-            tracing::error!(%error, bytes, "releasing physical memory failed");
-        }
     }
 }
 
@@ -481,16 +471,11 @@ impl Drop for Mapping {
                 return;
             }
         }
-        let unmapped = bind_context(&self.reservation.ctx).and_then(|()| {
-            traced_raw("cuMemUnmap", bytes, || {
-                // SAFETY: exactly the range mapped in `new`. The owner (bind layer) has waited
-                // for all work that used it before dropping this value.
-                unsafe { sys::cuMemUnmap(ptr, bytes) }
-            })
+        release(&self.reservation.ctx, "cuMemUnmap", bytes, || {
+            // SAFETY: exactly the range mapped in `new`. The owner (bind layer) has waited
+            // for all work that used it before dropping this value.
+            unsafe { sys::cuMemUnmap(ptr, bytes) }
         });
-        if let Err(error) = unmapped {
-            tracing::error!(%error, ptr, bytes, "unmapping failed");
-        }
     }
 }
 

@@ -114,6 +114,23 @@ fn window(pieces: &[Piece], at: usize, len: usize) -> Vec<(Piece, usize)> {
     out
 }
 
+/// Ends a transfer: on failure, first waits for the copies it may have left in flight on
+/// `stream`, so that the memory on both sides can be let go at once (callers unmap the device
+/// range of a failed restore, and the arena hands its regions out again). Without the wait, a
+/// failed synchronize would unmap memory a DMA is still writing: a GPU fault. If even the wait
+/// fails, the whole context is waited for (a context whose waits fail is beyond saving anyway).
+fn settle<T>(stream: &CudaStream, outcome: Result<T>) -> Result<T> {
+    if outcome.is_err() {
+        if let Err(wait) = driver::synchronize_stream(stream) {
+            tracing::error!(%wait, "waiting for the copies of a failed transfer failed");
+            if let Err(wait) = driver::synchronize_context(stream.context()) {
+                tracing::error!(%wait, "waiting for the context after a failed transfer failed");
+            }
+        }
+    }
+    outcome
+}
+
 /// Copies `bytes` at `device` into new host storage; returns once the copy is complete. Host
 /// memory is acquired before anything is copied, so a refusal changes nothing.
 pub(crate) fn save(
@@ -135,12 +152,14 @@ pub(crate) fn save_pieces(
 ) -> Result<HostCopy> {
     let bytes: usize = pieces.iter().map(|p| p.bytes).sum();
     let direct = |host: &dyn Fn(usize, usize) -> Result<*mut u8>| -> Result<()> {
-        let enqueued = pieces.iter().try_for_each(|piece| {
+        let copied = pieces.iter().try_for_each(|piece| {
             let target = host(piece.host_offset, piece.bytes)?;
             host::copy_to_host(stream, target, piece.device, piece.bytes)
         });
-        settle_on_error(stream, enqueued)?;
-        driver::synchronize_stream(stream)
+        settle(
+            stream,
+            copied.and_then(|()| driver::synchronize_stream(stream)),
+        )
     };
     let copy = match storage {
         HostStorage::Discard => HostCopy::Discarded,
@@ -163,7 +182,9 @@ pub(crate) fn save_pieces(
             None => {
                 let mut data = pageable(bytes)?;
                 match staging(arena) {
-                    Some(halves) => save_staged(stream, pieces, &mut data, &halves)?,
+                    Some(halves) => {
+                        settle(stream, save_staged(stream, pieces, &mut data, &halves))?
+                    }
                     None => {
                         let base = data.as_mut_ptr();
                         direct(&|offset, len| inside(base, bytes, offset, len))?;
@@ -188,7 +209,7 @@ fn save_staged(
     halves: &[ArenaRegion; 2],
 ) -> Result<()> {
     let saved = save_chunks(stream, pieces, data, halves);
-    settle_on_error(stream, saved)
+    settle(stream, saved)
 }
 
 fn save_chunks(
@@ -252,12 +273,14 @@ pub(crate) fn load_pieces(
     pieces: &[Piece],
 ) -> Result<()> {
     let direct = |host: &dyn Fn(usize, usize) -> Result<*mut u8>| -> Result<()> {
-        let enqueued = pieces.iter().try_for_each(|piece| {
+        let copied = pieces.iter().try_for_each(|piece| {
             let source = host(piece.host_offset, piece.bytes)?.cast_const();
             host::copy_to_device(stream, piece.device, source, piece.bytes)
         });
-        settle_on_error(stream, enqueued)?;
-        driver::synchronize_stream(stream)
+        settle(
+            stream,
+            copied.and_then(|()| driver::synchronize_stream(stream)),
+        )
     };
     match copy {
         HostCopy::Discarded => Ok(()),
@@ -273,24 +296,14 @@ pub(crate) fn load_pieces(
             }
         }
         HostCopy::Staged { data, arena } => match staging(arena) {
-            Some(halves) => load_staged(stream, pieces, data, &halves),
+            // Settled before the staging halves go back to the arena.
+            Some(halves) => settle(stream, load_staged(stream, pieces, data, &halves)),
             None => {
                 let base = data.as_ptr().cast_mut();
                 direct(&|offset, len| inside(base, data.len(), offset, len))
             }
         },
     }
-}
-
-/// On an error, waits for the copies already enqueued on `stream` before the caller's host
-/// memory (staging halves, the pageable buffer) can be reused or freed under them.
-fn settle_on_error<T>(stream: &CudaStream, outcome: Result<T>) -> Result<T> {
-    if outcome.is_err() {
-        if let Err(error) = driver::synchronize_stream(stream) {
-            tracing::error!(%error, "waiting for copies after a failed transfer failed");
-        }
-    }
-    outcome
 }
 
 /// The address of byte `offset` of a `total`-byte host buffer at `base`, if `len` bytes from
@@ -313,7 +326,7 @@ fn load_staged(
     halves: &[ArenaRegion; 2],
 ) -> Result<()> {
     let loaded = load_chunks(stream, pieces, data, halves);
-    settle_on_error(stream, loaded)
+    settle(stream, loaded)
 }
 
 fn load_chunks(

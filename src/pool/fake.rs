@@ -31,6 +31,7 @@ struct Inner {
     live_chunks: AtomicUsize,
     live_mappings: AtomicUsize,
     leaked_mappings: AtomicUsize,
+    leaked_bytes: AtomicUsize,
     calls: Mutex<Vec<Call>>,
     /// Fail the call of this kind once this many more calls of it have been made.
     fail: Mutex<Option<(Call, usize)>>,
@@ -93,6 +94,11 @@ impl Fake {
 
     pub(crate) fn leaked_mappings(&self) -> usize {
         self.inner.leaked_mappings.load(Ordering::SeqCst)
+    }
+
+    /// Bytes of the chunks kept alive forever by leaked mappings.
+    pub(crate) fn leaked_bytes(&self) -> usize {
+        self.inner.leaked_bytes.load(Ordering::SeqCst)
     }
 
     pub(crate) fn created_bytes(&self) -> usize {
@@ -168,6 +174,9 @@ impl Drop for FakeMapping {
         if self.leaked {
             // A leaked mapping keeps its chunk forever, as the real one does.
             self.inner.leaked_mappings.fetch_add(1, Ordering::SeqCst);
+            self.inner
+                .leaked_bytes
+                .fetch_add(self._memory.bytes, Ordering::SeqCst);
             std::mem::forget(self._memory.clone());
         }
     }

@@ -399,6 +399,36 @@ mod against_a_fake_driver {
             stats.mappings,
             "mappings match the blocks"
         );
+        // The statistics add up: the pool's figures are the tenants', the tenants' the blocks'.
+        let tenants = state.all_tenant_stats();
+        prop_assert_eq!(
+            stats.mapped,
+            tenants.iter().map(|t| t.mapped).sum::<usize>()
+        );
+        prop_assert_eq!(
+            stats.mappings,
+            tenants.iter().map(|t| t.mappings).sum::<usize>()
+        );
+        prop_assert_eq!(stats.tenants, model.tenants.len());
+        prop_assert_eq!(
+            fake.created_bytes(),
+            stats.mapped + stats.cached + fake.leaked_bytes(),
+            "physical bytes: mapped, cached, or leaked with a mapping"
+        );
+        for (tenant, blocks) in &model.tenants {
+            let ts = state
+                .tenant_stats(*tenant)
+                .map_err(|e| TestCaseError::fail(e.to_string()))?;
+            prop_assert_eq!(ts.blocks, blocks.len());
+            let mut mapped = 0;
+            for &(block, _) in blocks {
+                mapped += state
+                    .info(*tenant, block)
+                    .map_err(|e| TestCaseError::fail(e.to_string()))?
+                    .mapped;
+            }
+            prop_assert_eq!(ts.mapped, mapped, "a tenant holds what its blocks map");
+        }
         for (tenant, blocks) in &model.tenants {
             for &(block, len) in blocks {
                 let info = state
@@ -413,14 +443,16 @@ mod against_a_fake_driver {
     }
 
     proptest! {
-        #![proptest_config(ProptestConfig::with_cases(192))]
+        // Long sequences (up to 400 steps) reach the states short ones never do: caches
+        // fragmented by many frees, tenants churned while others hold stitched blocks.
+        #![proptest_config(ProptestConfig::with_cases(256))]
 
         #[test]
         fn the_pool_stays_consistent_under_random_traffic_and_injected_failures(
             budget in prop::option::of(24usize..128),
             device in 32usize..160,
             stitching in any::<bool>(),
-            ops in prop::collection::vec(op(), 1..100),
+            ops in prop::collection::vec(op(), 1..400),
         ) {
             let fake = Fake::new(device * G);
             let switches = Switches { stitching, drain_on_oom: true };

@@ -29,6 +29,9 @@ pub use protocol::{Message, Offer, MAX_MESSAGE, PROTOCOL_VERSION};
 
 pub mod protocol;
 
+#[cfg(test)]
+mod fuzz;
+
 impl Offer {
     /// Whether a space of `layout` placed as `placement` on the device `uuid` can take this
     /// offer; returns the offered group's index.
@@ -68,23 +71,30 @@ pub fn send_message(socket: &UnixStream, message: &Message, fd: Option<&OwnedFd>
 pub fn receive_message(socket: &UnixStream) -> Result<(Message, Vec<OwnedFd>)> {
     let mut fds = Vec::new();
     let mut header = [0u8; 4];
-    read_exact(socket, &mut header, &mut fds)?;
+    read_exact(socket, &mut header, &mut fds, true)?;
     let len = u32::from_le_bytes(header) as usize;
     if len > MAX_MESSAGE {
         return Err(ProtocolError::TooLarge(len).into());
     }
     let mut body = vec![0u8; len];
-    read_exact(socket, &mut body, &mut fds)?;
+    read_exact(socket, &mut body, &mut fds, false)?;
     Ok((Message::decode(&body)?, fds))
 }
 
-fn read_exact(socket: &UnixStream, buffer: &mut [u8], fds: &mut Vec<OwnedFd>) -> Result<()> {
+/// Fills `buffer`. The peer closing before the first byte is [`ProtocolError::Closed`] when
+/// `frame_start` (nothing of a frame has arrived yet), and truncation anywhere else.
+fn read_exact(
+    socket: &UnixStream,
+    buffer: &mut [u8],
+    fds: &mut Vec<OwnedFd>,
+    frame_start: bool,
+) -> Result<()> {
     let mut at = 0;
     while at < buffer.len() {
         let (n, received) = receive_with_fds(socket, &mut buffer[at..])?;
         fds.extend(received);
         if n == 0 {
-            return Err(if at == 0 && fds.is_empty() {
+            return Err(if frame_start && at == 0 && fds.is_empty() {
                 ProtocolError::Closed
             } else {
                 ProtocolError::Truncated {

@@ -2,7 +2,8 @@
 //! no sockets and no CUDA, so every byte rule is tested on the CPU.
 //!
 //! A frame is a 4-byte little-endian length, then the message: magic `SBUF`, version `u16`,
-//! kind `u8`, then the kind's fields (integers little-endian, strings as `u16` length + UTF-8).
+//! kind `u8`, then the kind's fields (integers little-endian, strings as `u16` length + UTF-8,
+//! at most [`MAX_STRING`] bytes). Nothing follows the last field.
 
 use crate::error::ProtocolError;
 
@@ -11,6 +12,9 @@ const MAGIC: &[u8; 4] = b"SBUF";
 pub const PROTOCOL_VERSION: u16 = 1;
 /// Messages larger than this are refused before anything is allocated for them.
 pub const MAX_MESSAGE: usize = 64 << 10;
+/// Longest string field sent, in bytes: a longer one is cut at the last character boundary at
+/// or below it, so every message this build encodes fits in [`MAX_MESSAGE`] and decodes.
+pub const MAX_STRING: usize = MAX_MESSAGE - 64;
 
 /// Describes a dataset sent to another process.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -81,12 +85,25 @@ impl<'a> Reader<'a> {
     }
     fn string(&mut self) -> Result<String, ProtocolError> {
         let len = usize::from(self.u16()?);
+        if len > MAX_STRING {
+            return Err(ProtocolError::StringTooLong { bytes: len });
+        }
         String::from_utf8(self.take(len)?.to_vec()).map_err(|_| ProtocolError::BadUtf8)
     }
 }
 
+/// `s` cut to at most [`MAX_STRING`] bytes, on a character boundary (never inside one, which the
+/// peer would refuse as [`ProtocolError::BadUtf8`]).
+pub(crate) fn clip(s: &str) -> &str {
+    let mut end = s.len().min(MAX_STRING);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
 fn put_string(out: &mut Vec<u8>, s: &str) {
-    let bytes = &s.as_bytes()[..s.len().min(u16::MAX as usize)];
+    let bytes = clip(s).as_bytes();
     out.extend_from_slice(&(bytes.len() as u16).to_le_bytes());
     out.extend_from_slice(bytes);
 }
@@ -118,7 +135,8 @@ impl Message {
         out
     }
 
-    /// Parses a message body.
+    /// Parses a message body. Only the exact bytes [`Message::encode`] writes are accepted:
+    /// anything after the message's last field is [`ProtocolError::TrailingBytes`].
     pub fn decode(bytes: &[u8]) -> Result<Message, ProtocolError> {
         let mut r = Reader { bytes, at: 0 };
         if r.take(4)? != MAGIC {
@@ -131,7 +149,7 @@ impl Message {
                 supported: PROTOCOL_VERSION,
             });
         }
-        Ok(match r.u8()? {
+        let message = match r.u8()? {
             1 => Message::Offer(Offer {
                 layout_fingerprint: r.u64()?,
                 group: r.string()?,
@@ -145,7 +163,11 @@ impl Message {
                 reason: r.string()?,
             },
             other => return Err(ProtocolError::UnknownKind(other)),
-        })
+        };
+        match bytes.len() - r.at {
+            0 => Ok(message),
+            extra => Err(ProtocolError::TrailingBytes { extra }),
+        }
     }
 
     /// Length prefix + body.

@@ -5,6 +5,10 @@ use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use rand::{rngs::StdRng, Rng, SeedableRng};
+
+pub mod deadline;
+pub mod leaks;
+pub mod patterns;
 use stablebuf::cudarc::driver::{CudaContext, CudaStream};
 use stablebuf::{open_device, Kernels};
 
