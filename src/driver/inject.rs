@@ -51,8 +51,11 @@ impl std::fmt::Display for Call {
 /// named `name` (among all its calls with `None`), with `result`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Fault {
+    /// The driver function whose calls are counted; `None` counts every call.
     pub name: Option<&'static str>,
+    /// Which of the counted calls fails, from 0.
     pub nth: usize,
+    /// What the failing call returns.
     pub result: CUresult,
 }
 
