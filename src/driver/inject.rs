@@ -82,7 +82,9 @@ impl Fault {
 /// A fault that fired: the call it failed, and whether that call was still made.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Fired {
+    /// The fault that was armed.
     pub fault: Fault,
+    /// The call it made fail.
     pub call: Call,
     /// How many of this thread's calls came before it since [`arm`]: its index in a recording
     /// started at the same time.
