@@ -452,10 +452,12 @@ fn bound(fx: &Fx, space: Space, bind_d1: bool) -> Bound {
     let d2 = dataset(fx, &space, "g", 2);
     let dh = dataset(fx, &space, "h", 3);
     space.bind(&dh).unwrap();
-    if bind_d1 {
-        space.bind(&d1).unwrap();
-    }
+    // Copy nodes check their addresses when captured: capture with d1 bound.
+    space.bind(&d1).unwrap();
     let graph = Some(copy_graph(fx, &space).unwrap());
+    if !bind_d1 {
+        space.unbind("g").unwrap();
+    }
     Bound {
         space,
         d1,
@@ -997,7 +999,9 @@ fn pool_scenarios() -> Vec<Scenario<Pool>> {
                 let mut w = pool_world(fx, PoolOptions::default());
                 cache_chunks(&w, &[2 * MIB, 2 * MIB]);
                 let block = tenant(&w).alloc(6 * MIB).unwrap();
-                assert_eq!(info(&block).mappings, 3, "stitched from three chunks");
+                // The planner's cap (one cached chunk per 64 MiB asked while the device has
+                // room) makes this one cached chunk and one new one.
+                assert_eq!(info(&block).mappings, 2, "stitched from two chunks");
                 patterns::fill(&fx.gpu, &whole(&block), 15);
                 w.block = Some(block);
                 w
@@ -1005,7 +1009,7 @@ fn pool_scenarios() -> Vec<Scenario<Pool>> {
             |_, w| w.block.as_mut().unwrap().shrink(2 * MIB),
             |fx, w, _| {
                 let block = w.block.as_ref().unwrap();
-                assert_eq!((block.len(), info(block).mappings), (6 * MIB, 3));
+                assert_eq!((block.len(), info(block).mappings), (6 * MIB, 2));
                 assert_eq!(patterns::errors(&fx.gpu, &whole(block), 15), 0);
                 sums_hold(fx, w);
             },

@@ -607,12 +607,29 @@ impl World {
         let slot = |name: &str| sp.s.slot(name).unwrap().clone();
         let (x, y, t) = (slot("x"), slot("y"), slot("t"));
         let kernels = self.fx.gpu.kernels.clone();
-        let g =
-            sp.s.capture(&self.fx.gpu.stream, move |s| {
-                buffer::copy_between(s, &t, 0, &x, 0, X_BYTES)?;
-                kernels.affine(s, &y, a, b)
-            })
-            .map_err(|e| format!("capture: {e}"))?;
+        // The driver checks a copy node's addresses when it is captured: x must be mapped (a
+        // bound dataset, or a copy-in group's own memory) and so must the scratch t (not asleep).
+        let unmapped = sp.sleeping.is_some() || (sp.bound[X].is_none() && !sp.copy_in);
+        let captured = sp.s.capture(&self.fx.gpu.stream, move |s| {
+            buffer::copy_between(s, &t, 0, &x, 0, X_BYTES)?;
+            kernels.affine(s, &y, a, b)
+        });
+        let g = match (captured, unmapped) {
+            (Ok(g), false) => g,
+            (
+                Err(Error::Driver {
+                    call: "cuMemcpyDtoDAsync",
+                    ..
+                }),
+                true,
+            ) => {
+                return Ok("capture over unmapped memory refused, as predicted".to_string());
+            }
+            (Ok(_), true) => {
+                return Err("a capture of a copy over unmapped memory succeeded".into())
+            }
+            (Err(e), _) => return Err(format!("capture: {e}")),
+        };
         let space = sp.s.id();
         self.graphs.push(Gr { g, space, a, b });
         Ok(format!("capture y = {a}·y + {b} over space {space}"))
@@ -1892,6 +1909,8 @@ fn warm_up(fx: &Fixed) {
     let space = Space::with_options(&fx.gpu.ctx, layout(), options).unwrap();
     let mut d = space.new_dataset("x").unwrap();
     space.bind(&d).unwrap();
+    let w_set = space.new_dataset("w").unwrap();
+    space.bind(&w_set).unwrap();
     let t = space.slot("t").unwrap().clone();
     let x = space.slot("x").unwrap().clone();
     let graph = space
@@ -1909,7 +1928,7 @@ fn warm_up(fx: &Fixed) {
         d.offload(&storage, stream).unwrap();
         d.restore(stream).unwrap();
     }
-    drop((graph, d, space));
+    drop((graph, d, w_set, space));
     let pool = ElasticPool::new(&fx.gpu.ctx, PoolOptions::default()).unwrap();
     let tenant = pool.register("warm", 64 * MIB).unwrap();
     drop(tenant.alloc(4 * MIB).unwrap());

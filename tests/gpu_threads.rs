@@ -78,6 +78,8 @@ fn binds_on_one_space_while_another_space_replays() {
             .collect();
         let b_set = dataset(&b, &kernels, &sb, 200);
         b.bind(&b_set).unwrap();
+        // Copy nodes check their addresses when captured: capture with a dataset bound.
+        a.bind(&a_sets[0]).unwrap();
         let (ga, gb) = (copy_graph(&a, &sa), copy_graph(&b, &sb));
         let barrier = Arc::new(Barrier::new(2));
         std::thread::scope(|scope| {
@@ -241,6 +243,8 @@ fn offload_and_restore_race_binds_and_replays_of_the_same_space() {
         let arena = HostArena::new(&ctx, 8 * MIB).unwrap();
         let d1 = Mutex::new(dataset(&space, &kernels, &s1, 11));
         let d2 = dataset(&space, &kernels, &s2, 22);
+        // Copy nodes check their addresses when captured: capture with a dataset bound.
+        space.bind(&d2).unwrap();
         let graph = copy_graph(&space, &s2);
         let (mut replays, mut unbound) = (0usize, 0usize);
         std::thread::scope(|scope| {

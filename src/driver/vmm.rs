@@ -331,8 +331,8 @@ impl Mapping {
     /// Maps each of `physicals` whole, side by side from `reservation`'s base + `offset`, then
     /// grants read-write access to `access_devices` over the whole run with ONE
     /// `cuMemSetAccess` (the driver accepts a range that spans several allocations as long as
-    /// all of it is mapped). Stitching many chunks this way pays one set-access instead of one per
-    /// chunk. If the driver refuses the spanning call, access is granted per mapping instead.
+    /// all of it is mapped). Measured on the H100, the one call costs what one call per chunk
+    /// costs in all (the price is per mapped page, not per call), but it is one driver call.
     ///
     /// All or nothing: on any error every mapping made so far is unmapped before returning.
     pub fn new_many(
@@ -370,17 +370,10 @@ impl Mapping {
             )?);
             at += physical.bytes();
         }
+        // One call for the whole run: the driver documents a range "containing all allocations
+        // created by cuMemMap" as valid. On failure `made` drops and unmaps everything.
         let start = reservation.base() + offset as u64;
-        if made.len() == 1 {
-            set_access(start, total, access_devices)?;
-            return Ok(made);
-        }
-        if let Err(spanning) = set_access(start, total, access_devices) {
-            tracing::warn!(%spanning, mappings = made.len(), "the driver refused one set-access over several mappings; setting it per mapping");
-            for mapping in &made {
-                set_access(mapping.ptr, mapping.bytes, access_devices)?;
-            }
-        }
+        set_access(start, total, access_devices)?;
         Ok(made)
     }
 
