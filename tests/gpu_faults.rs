@@ -418,8 +418,13 @@ fn fail_one<W>(fx: &Fx, s: &Scenario<W>, index: usize, call: &Call) -> Outcome {
         Ok(()) => {
             // Only calls that end something (they ran), waits and context binds made while
             // letting go of memory (logged) may fail without failing the operation.
+            // The pool also recovers from out-of-memory on purpose: it drains its cache and
+            // retries, or (past its mapping cap) stitches cached chunks instead of new memory.
+            let recovered_oom = call.name == "cuMemCreate"
+                && ours.fault.result == CUresult::CUDA_ERROR_OUT_OF_MEMORY
+                && s.name.starts_with("pool");
             assert!(
-                ours.ran || is_wait(call.name) || call.name == "cuCtxSetCurrent",
+                ours.ran || is_wait(call.name) || call.name == "cuCtxSetCurrent" || recovered_oom,
                 "the failure was swallowed: the operation reported success"
             );
             (s.done)(fx, &mut world);

@@ -9,7 +9,7 @@ use cubecl_common::future::block_on;
 use cubecl_core::Runtime;
 use cubecl_cuda::{CudaDevice, CudaRuntime};
 use stablebuf::cudarc::driver::sys;
-use stablebuf::vmm::copy_between;
+use stablebuf::buffer::copy_between;
 use stablebuf::{open_device, DeviceBuffer, Kernels, Layout, Space};
 
 type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
