@@ -1546,7 +1546,12 @@ impl World {
             mapped,
             mappings,
             reg.asleep,
-            if reg.asleep { allocated } else { 0 },
+            // A discarded sleep holds no bytes on the host.
+            if reg.asleep && !reg.discarded {
+                allocated
+            } else {
+                0
+            },
         );
         let got = (
             stats.allocations,
@@ -1762,9 +1767,13 @@ impl World {
                         ensure!(report.is_success(), "update check: {:?}", report.outcome);
                         Ok("update check".into())
                     }
-                    (Err(Error::Driver { call: "cuMemcpyDtoDAsync", .. }), true) => {
-                        Ok("update check over unmapped memory refused, as predicted".into())
-                    }
+                    (
+                        Err(Error::Driver {
+                            call: "cuMemcpyDtoDAsync",
+                            ..
+                        }),
+                        true,
+                    ) => Ok("update check over unmapped memory refused, as predicted".into()),
                     (Ok(_), true) => Err("an update check over unmapped memory succeeded".into()),
                     (Err(e), _) => Err(format!("update check: {e}")),
                 }
