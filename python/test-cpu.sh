@@ -8,7 +8,7 @@ here="$(cd "$(dirname "$0")" && pwd)"
 root="$(dirname "$here")"
 wheel="${1:-}"
 if [ -z "$wheel" ]; then
-  wheel="$("$here/build-wheel.sh" | tee /dev/stderr | sed -n 's/^wheel: //p' | tail -1)"
+  wheel="$("$here/build-wheel.sh" | tee -a /dev/stderr | sed -n 's/^wheel: //p' | tail -1)"
 fi
 site="$(mktemp -d)"
 trap 'rm -rf "$site"' EXIT
