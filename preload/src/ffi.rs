@@ -431,6 +431,10 @@ pub unsafe extern "C" fn cudaGetDriverEntryPointByVersion(
 }
 
 /// After a successful lookup: if it resolved to a function the layer hooks, hand out the hook.
+///
+/// # Safety
+/// `symbol` is NULL or a NUL-terminated C string, and `func` is NULL or the caller's writable
+/// out-pointer of the lookup that just succeeded.
 unsafe fn substitute_entry(
     symbol: *const c_char,
     func: *mut *mut c_void,
@@ -719,6 +723,9 @@ fn abi_guarded(call: &'static str, body: impl FnOnce() -> Result<(), Fail>) -> c
 }
 
 /// A tag argument: NULL and "" mean none.
+///
+/// # Safety
+/// `tag` is NULL or a NUL-terminated C string that outlives `'a`.
 unsafe fn tag_argument<'a>(tag: *const c_char) -> Result<Option<&'a str>, Fail> {
     if tag.is_null() {
         return Ok(None);
