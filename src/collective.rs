@@ -9,19 +9,38 @@
 //!            one StableGraph per rank, captured once, replayed on every weight set
 //! ```
 //!
-//! Buffer registration (`ncclCommRegister`, [`Collective::register`]) records the physical pages
-//! behind a range. A rebind puts other pages under a slot's addresses, so a registration of a
-//! slot whose group is rebound must be redone after the bind (drop the old one, register
-//! again); slots in scratch or in groups that are not rebound keep theirs. This ordering is what
-//! torch_memory_saver's users hit as stale registrations after a remap (#88).
+//! ## Finding libnccl
+//! Looked for, in order: the file (or folder) named by `STABLEBUF_NCCL_LIBRARY`; `libnccl.so.2`
+//! and `libnccl.so` on the loader's path (`LD_LIBRARY_PATH`, ldconfig); the `lib/` folder of the
+//! pip `nvidia-nccl-cu12`/`-cu13` package of the active Python environment (the one PyTorch
+//! uses; the interpreter is `$PYTHON`, `$VIRTUAL_ENV`'s, `$CONDA_PREFIX`'s or `python3`); then
+//! `$CUDA_HOME/lib64`. [`Error::LibraryMissing`] lists every place tried; [`library`] says which
+//! one was used.
+//!
+//! ## Registrations and rebinds
+//! A registration (`ncclCommRegister`) records the physical pages behind a range, not just its
+//! addresses. A rebind puts other pages under a slot's addresses, so a registration made with
+//! [`Collective::register`] goes stale when the slot's group is rebound (or, for a scratch
+//! slot, when the space wakes). [`Collective::register_slot`] does the right thing on its own:
+//! the space tells it after every bind of the slot's group (and every wake), under the space's
+//! lock, and it deregisters the old pages and registers the new ones before any replay can run.
+//! What the two GPUs of our test machine showed is in `tests/gpu_multi.rs` and the README.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{CudaContext, CudaStream};
+use cudarc::driver::{sys, CudaContext, CudaStream};
 
 use crate::buffer::{require_range, DeviceBuffer};
 use crate::driver::nccl::{self, Communicator, Registration};
 use crate::error::{Error, Result};
+use crate::space::listeners::RemapListener;
+use crate::Space;
+
+/// Where libnccl was loaded from and its version number (`ncclGetVersion`, e.g. 22705 for
+/// 2.27.5), loading it if needed. [`Error::LibraryMissing`] lists every place tried.
+pub fn library() -> Result<(String, i32)> {
+    nccl::library()
+}
 
 /// The id rank 0 creates and every rank joins with (128 bytes; send it to the other processes,
 /// e.g. as [`CollectiveId::to_hex`] in an environment variable).
@@ -111,13 +130,113 @@ impl Collective {
     }
 
     /// Registers `buffer` with the communicator (`ncclCommRegister`), which lets NCCL skip
-    /// staging copies on some transports. See the module docs for registrations and rebinds.
+    /// staging copies on some transports. The registration covers the pages mapped now: for a
+    /// slot whose memory a bind or wake replaces, use [`Collective::register_slot`].
     pub fn register(&self, buffer: &impl DeviceBuffer) -> Result<Registered> {
         Ok(Registered {
             _registration: self
                 .comm
                 .register(buffer.device_address(), buffer.byte_len())?,
         })
+    }
+
+    /// Registers slot `name` of `space` and keeps the registration current: after every bind
+    /// of the slot's group (for a scratch slot: every wake) the old pages are deregistered and
+    /// the new ones registered, before the bind returns. Deregistered on drop.
+    pub fn register_slot(&self, space: &Space, name: &str) -> Result<SlotRegistration> {
+        let slot = space.slot(name)?;
+        let tracked = Arc::new(TrackedRegistration {
+            comm: self.comm.clone(),
+            ptr: slot.device_ptr(),
+            bytes: slot.bytes(),
+            state: Mutex::new(TrackedState::default()),
+        });
+        // Listening first, so a bind racing with this call is not missed; registered now only
+        // if memory is there (a bind registers it otherwise).
+        let listener: Arc<dyn RemapListener> = tracked.clone();
+        space.listen_for_remaps(name, Arc::downgrade(&listener))?;
+        if space.slot_has_memory(name)? {
+            tracked.refresh()?;
+        }
+        Ok(SlotRegistration {
+            tracked,
+            _listener: listener,
+        })
+    }
+}
+
+/// A slot registered with a communicator and re-registered after every remap of its memory
+/// ([`Collective::register_slot`]); deregistered on drop.
+#[derive(Debug)]
+pub struct SlotRegistration {
+    tracked: Arc<TrackedRegistration>,
+    /// The space holds only a weak reference: dropping this ends the tracking.
+    _listener: Arc<dyn RemapListener>,
+}
+
+impl SlotRegistration {
+    /// Whether the slot's current pages are registered (false after a failed re-registration,
+    /// or before the slot's group was first bound). Collectives work either way; NCCL then
+    /// takes its unregistered path.
+    pub fn is_registered(&self) -> bool {
+        self.tracked.lock().registration.is_some()
+    }
+
+    /// How many times the registration was made (1 + the remaps it followed).
+    pub fn registrations(&self) -> u64 {
+        self.tracked.lock().registrations
+    }
+
+    /// The last re-registration failure, if the last attempt failed.
+    pub fn last_error(&self) -> Option<String> {
+        self.tracked.lock().last_error.clone()
+    }
+}
+
+#[derive(Debug)]
+struct TrackedRegistration {
+    comm: Arc<Communicator>,
+    ptr: sys::CUdeviceptr,
+    bytes: usize,
+    state: Mutex<TrackedState>,
+}
+
+#[derive(Debug, Default)]
+struct TrackedState {
+    registration: Option<Registration>,
+    registrations: u64,
+    last_error: Option<String>,
+}
+
+impl TrackedRegistration {
+    fn lock(&self) -> std::sync::MutexGuard<'_, TrackedState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Deregisters the old pages (if any), then registers what is mapped now.
+    fn refresh(&self) -> Result<()> {
+        let mut state = self.lock();
+        drop(state.registration.take());
+        match self.comm.register(self.ptr, self.bytes) {
+            Ok(registration) => {
+                state.registration = Some(registration);
+                state.registrations += 1;
+                state.last_error = None;
+                Ok(())
+            }
+            Err(error) => {
+                state.last_error = Some(error.to_string());
+                Err(error)
+            }
+        }
+    }
+}
+
+impl RemapListener for TrackedRegistration {
+    fn remapped(&self) {
+        if let Err(error) = self.refresh() {
+            tracing::error!(%error, ptr = self.ptr, "re-registering a slot with NCCL after a remap failed; collectives take the unregistered path");
+        }
     }
 }
 

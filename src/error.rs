@@ -133,11 +133,17 @@ pub enum Error {
         code: i32,
     },
 
-    /// A library stablebuf loads at run time is not on the loader's path.
-    #[error("{library} could not be loaded: put it on LD_LIBRARY_PATH")]
+    /// A library stablebuf loads at run time was found nowhere it looked.
+    #[error(
+        "{library} could not be loaded; tried: {searched}. Install it (e.g. pip install \
+         nvidia-nccl-cu13 in the active Python environment), put its folder on LD_LIBRARY_PATH, \
+         or name the file in STABLEBUF_NCCL_LIBRARY"
+    )]
     LibraryMissing {
         /// The library's name, e.g. `"libnccl"`.
         library: &'static str,
+        /// Every candidate tried, with why it failed, in order.
+        searched: String,
     },
 
     /// No CUDA driver (libcuda) could be loaded on this machine.
@@ -214,6 +220,16 @@ pub enum Error {
         from: usize,
         /// Ordinal of the device that holds the memory.
         to: usize,
+    },
+
+    /// A graph would run on a device the space does not grant access to its addresses (see
+    /// `SpaceOptions::peers`): its kernels would fault, so the capture is refused.
+    #[error("device {device} has no access to the space's addresses (granted: {granted:?}); add it with SpaceOptions::peers")]
+    NotGranted {
+        /// Ordinal of the device the graph would run on.
+        device: usize,
+        /// The devices the space grants access to.
+        granted: Vec<usize>,
     },
 
     /// A dataset or buffer belongs to another CUDA context (device).

@@ -5,7 +5,10 @@
 //! waits on a [`Fence`]:
 //!
 //! - [`FencePolicy::Context`] (the default) waits for all work in the CUDA context. It cannot
-//!   miss a stream, including ones stablebuf never saw (a raw `launch_builder` on a slot).
+//!   miss a stream of the space's device, including ones stablebuf never saw (a raw
+//!   `launch_builder` on a slot). A context covers one device only, so streams of *other*
+//!   devices that used the space (a peer's graph reading it over NVLink) are waited for one by
+//!   one: stablebuf attaches every stream a graph over the space is captured or replayed on.
 //! - [`FencePolicy::AttachedStreams`] waits only for the streams attached to the space: those
 //!   its graphs were captured or replayed on, its views and copies used, and any passed to
 //!   [`Space::attach`](crate::Space::attach). That lets one space rebind while another space's
@@ -99,7 +102,11 @@ impl Fence {
     pub(crate) fn order_before(&self, stream: &Arc<CudaStream>) -> Result<()> {
         self.check_not_capturing()?;
         match self.policy {
-            FencePolicy::Context => driver::synchronize_context(&self.ctx),
+            FencePolicy::Context => {
+                driver::synchronize_context(&self.ctx)?;
+                self.peer_streams()
+                    .try_for_each(|s| driver::synchronize_stream(s))
+            }
             FencePolicy::AttachedStreams => {
                 for other in self.streams.iter().filter(|s| ***s != **stream) {
                     let event = driver::traced("cuEventRecord", 0, || other.record_event(None))?;
@@ -114,11 +121,24 @@ impl Fence {
     pub(crate) fn wait(&self) -> Result<()> {
         self.check_not_capturing()?;
         match self.policy {
-            FencePolicy::Context => driver::synchronize_context(&self.ctx),
+            FencePolicy::Context => {
+                driver::synchronize_context(&self.ctx)?;
+                self.peer_streams()
+                    .try_for_each(|s| driver::synchronize_stream(s))
+            }
             FencePolicy::AttachedStreams => self
                 .streams
                 .iter()
                 .try_for_each(|s| driver::synchronize_stream(s)),
         }
+    }
+
+    /// Attached streams of other devices (a peer's graph reading the space): a context
+    /// synchronize covers only its own device, so `Context` waits for these one by one.
+    fn peer_streams(&self) -> impl Iterator<Item = &Arc<CudaStream>> {
+        let own = self.ctx.ordinal();
+        self.streams
+            .iter()
+            .filter(move |s| s.context().ordinal() != own)
     }
 }

@@ -229,6 +229,13 @@ impl StableGraph {
         let mut shared: Vec<Arc<SpaceShared>> = spaces.iter().map(|s| s.shared.clone()).collect();
         shared.sort_by_key(|s| s.id());
         shared.dedup_by_key(|s| s.id());
+        let device = stream.context().ordinal();
+        if let Some(space) = shared.iter().find(|s| !s.access().contains(&device)) {
+            return Err(Error::NotGranted {
+                device,
+                granted: space.access().to_vec(),
+            });
+        }
         for space in &shared {
             space.attach(stream);
         }

@@ -135,6 +135,10 @@ pub fn open_device(ordinal: usize) -> Result<Arc<CudaContext>> {
     if !driver_present() {
         return Err(Error::NoDriver);
     }
+    let count = device::device_count()?;
+    if ordinal >= count {
+        return Err(Error::NoSuchDevice { ordinal, count });
+    }
     let ctx = traced("cuDevicePrimaryCtxRetain", 0, || CudaContext::new(ordinal))?;
     // SAFETY: called before this context creates any stream or buffer of ours; cudarc documents
     // that tracking must not be switched while tracked buffers are in flight.

@@ -120,7 +120,10 @@ impl SpaceShared {
                         *slot = Some(Binding {
                             dataset_id: dataset.id(),
                             mapping,
-                        })
+                        });
+                        // Under the lock: no replay can use the group before its listeners
+                        // (e.g. NCCL registrations) caught up with the new pages.
+                        self.listeners.notify(super::listeners::Part::Group(index));
                     }
                     Err(error) => {
                         if let Some((dataset_id, physical)) = restore {

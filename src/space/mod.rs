@@ -12,6 +12,7 @@
 //! [`SpaceShared::lock_replayable`].
 
 mod bind;
+pub(crate) mod listeners;
 mod slot;
 
 use std::collections::HashMap;
@@ -129,6 +130,8 @@ pub(crate) struct SpaceShared {
     strategies: Vec<BindStrategy>,
     shareable: bool,
     state: Mutex<SpaceState>,
+    /// Told after a bind or a wake maps other memory under a part of the space.
+    pub(crate) listeners: listeners::Listeners,
     reservation: Arc<Reservation>,
 }
 
@@ -222,6 +225,7 @@ impl Space {
                 strategies,
                 shareable: options.shareable,
                 state: Mutex::new(state),
+                listeners: listeners::Listeners::default(),
                 reservation,
             }),
         })
@@ -230,6 +234,30 @@ impl Space {
     /// The slot called `name`.
     pub fn slot(&self, name: &str) -> Result<&Slot> {
         self.shared.slot(name)
+    }
+
+    /// Calls `listener` each time other memory is mapped under slot `name`'s addresses (a bind
+    /// of its group, or a wake for a scratch slot), until the listener is dropped.
+    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+    pub(crate) fn listen_for_remaps(
+        &self,
+        name: &str,
+        listener: std::sync::Weak<dyn listeners::RemapListener>,
+    ) -> Result<()> {
+        let part = match self.slot(name)?.group() {
+            Some(group) => listeners::Part::Group(self.shared.placement.group_index(group)?),
+            None => listeners::Part::Scratch,
+        };
+        self.shared.listeners.add(part, listener);
+        Ok(())
+    }
+
+    /// Whether memory is mapped under slot `name` now (its group bound; for scratch, awake).
+    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+    pub(crate) fn slot_has_memory(&self, name: &str) -> Result<bool> {
+        let slot = self.slot(name)?;
+        let state = self.shared.lock();
+        Ok(self.shared.require_bound(&state, slot).is_ok())
     }
 
     /// Every slot, group by group, then scratch.
@@ -426,6 +454,11 @@ impl SpaceShared {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
+    /// The devices granted access to the space's addresses (its own first).
+    pub(crate) fn access(&self) -> &[usize] {
+        &self.access
+    }
+
     pub(crate) fn id(&self) -> u64 {
         self.id
     }
@@ -474,6 +507,7 @@ impl SpaceShared {
         let mut state = self.lock();
         if let (None, Some(region)) = (&state.scratch, &self.placement.scratch) {
             state.scratch = Some(map_own(&self.ctx, &self.reservation, region, &self.access)?);
+            self.listeners.notify(listeners::Part::Scratch);
         }
         Ok(())
     }

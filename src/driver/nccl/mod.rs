@@ -1,52 +1,53 @@
-//! NCCL communicators (cudarc's `nccl` feature, loaded at run time) wrapped as owned values.
+//! NCCL communicators wrapped as owned values, over libnccl opened at run time ([`library`],
+//! found where users have it: [`locate`]).
 //!
-//! cudarc's own `Comm` is tied to one stream and is not `Send`, so it cannot live in a captured
-//! graph's work; this wrapper enqueues on any stream and serialises calls with a lock, which is
-//! what NCCL asks of a communicator used from several threads.
+//! A communicator is not tied to a stream: it enqueues on any stream (so it can live in a
+//! captured graph's work) and serialises calls with a lock, which is what NCCL asks of a
+//! communicator used from several threads.
+
+mod library;
+mod locate;
 
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{sys, CudaContext, CudaStream};
-use cudarc::nccl::{result, sys as nccl};
 
+use self::library::{nccl, Nccl, NcclResult, UniqueId, NCCL_FLOAT32, NCCL_SUM};
 use super::bind_context;
 use crate::error::{Error, Result};
 
-fn nccl_call<T>(
-    call: &'static str,
-    f: impl FnOnce() -> std::result::Result<T, result::NcclError>,
-) -> Result<T> {
+/// Runs one NCCL call inside a tracing span and maps a failure to [`Error::Nccl`].
+fn nccl_call(call: &'static str, f: impl FnOnce(&Nccl) -> NcclResult) -> Result<()> {
+    let lib = nccl()?;
     let span = tracing::debug_span!("nccl", call);
     let _entered = span.enter();
-    f().map_err(|result::NcclError(code)| Error::Nccl {
-        call,
-        code: code as i32,
-    })
-}
-
-/// Whether libnccl can be loaded here.
-pub(crate) fn nccl_present() -> bool {
-    // SAFETY: only tries to open the shared library; no NCCL call is made.
-    unsafe { nccl::is_culib_present() }
-}
-
-fn require_nccl() -> Result<()> {
-    if nccl_present() {
-        Ok(())
-    } else {
-        Err(Error::LibraryMissing { library: "libnccl" })
+    match f(lib) {
+        0 => Ok(()),
+        code => {
+            tracing::debug!(call, code, text = %lib.error_string(code), "failed");
+            Err(Error::Nccl { call, code })
+        }
     }
+}
+
+/// Where libnccl was loaded from and its version (`ncclGetVersion`, e.g. 22705), loading it if
+/// needed; [`Error::LibraryMissing`] lists the places tried.
+pub(crate) fn library() -> Result<(String, i32)> {
+    nccl().map(|lib| (lib.origin.clone(), lib.version))
 }
 
 /// A new unique id for rank 0 to hand to the other ranks (`ncclGetUniqueId`).
 pub(crate) fn unique_id() -> Result<[u8; 128]> {
-    require_nccl()?;
-    let id = nccl_call("ncclGetUniqueId", result::get_uniqueid)?;
+    let mut id = UniqueId { internal: [0; 128] };
+    nccl_call("ncclGetUniqueId", |lib| {
+        // SAFETY: valid out-pointer to a 128-byte id.
+        unsafe { (lib.get_unique_id)(&mut id) }
+    })?;
     Ok(id.internal.map(|c| c as u8))
 }
 
 #[derive(Debug)]
-struct Handle(nccl::ncclComm_t);
+struct Handle(library::Comm);
 
 // SAFETY: an NCCL communicator may be used from any thread as long as calls on it are not
 // concurrent; every call goes through the `Mutex` around this handle.
@@ -70,23 +71,20 @@ impl Communicator {
         world: usize,
         id: [u8; 128],
     ) -> Result<Self> {
-        require_nccl()?;
         if world == 0 || rank >= world {
             return Err(Error::InvalidShape(format!(
                 "rank {rank} of a world of {world}"
             )));
         }
         bind_context(ctx)?;
-        let id = nccl::ncclUniqueId {
-            internal: id.map(|b| b as ::core::ffi::c_char),
+        let id = UniqueId {
+            internal: id.map(|b| b as std::ffi::c_char),
         };
-        let mut comm = std::mem::MaybeUninit::uninit();
-        nccl_call("ncclCommInitRank", || {
+        let mut comm: library::Comm = std::ptr::null_mut();
+        nccl_call("ncclCommInitRank", |lib| {
             // SAFETY: `comm` is a valid out-pointer; rank and world were checked above.
-            unsafe { result::comm_init_rank(comm.as_mut_ptr(), world as i32, id, rank as i32) }
+            unsafe { (lib.comm_init_rank)(&mut comm, world as i32, id, rank as i32) }
         })?;
-        // SAFETY: ncclCommInitRank succeeded, so it wrote the communicator.
-        let comm = unsafe { comm.assume_init() };
         Ok(Self {
             ctx: ctx.clone(),
             handle: Mutex::new(Handle(comm)),
@@ -112,21 +110,20 @@ impl Communicator {
         count: usize,
     ) -> Result<()> {
         let handle = self.handle.lock().unwrap_or_else(|p| p.into_inner());
-        nccl_call("ncclAllReduce", || {
+        nccl_call("ncclAllReduce", |lib| {
             // SAFETY: in place on a checked, mapped range; the stream belongs to this device.
             unsafe {
-                result::all_reduce(
+                (lib.all_reduce)(
                     ptr as *const _,
                     ptr as *mut _,
                     count,
-                    nccl::ncclDataType_t::ncclFloat32,
-                    nccl::ncclRedOp_t::ncclSum,
+                    NCCL_FLOAT32,
+                    NCCL_SUM,
                     handle.0,
-                    stream.cu_stream() as nccl::cudaStream_t,
+                    stream.cu_stream() as *mut _,
                 )
             }
         })
-        .map(drop)
     }
 
     /// Registers `[ptr, ptr + bytes)` with the communicator (`ncclCommRegister`); the returned
@@ -138,10 +135,9 @@ impl Communicator {
     ) -> Result<Registration> {
         let handle = self.handle.lock().unwrap_or_else(|p| p.into_inner());
         let mut registered: *mut ::core::ffi::c_void = std::ptr::null_mut();
-        nccl_call("ncclCommRegister", || {
+        nccl_call("ncclCommRegister", |lib| {
             // SAFETY: a mapped range the caller keeps mapped while registered; valid out-pointer.
-            unsafe { nccl::ncclCommRegister(handle.0, ptr as *mut _, bytes, &mut registered) }
-                .result()
+            unsafe { (lib.comm_register)(handle.0, ptr as *mut _, bytes, &mut registered) }
         })?;
         Ok(Registration {
             comm: self.clone(),
@@ -155,9 +151,9 @@ impl Drop for Communicator {
     fn drop(&mut self) {
         let handle = self.handle.get_mut().unwrap_or_else(|p| p.into_inner());
         let destroyed = bind_context(&self.ctx).and_then(|()| {
-            nccl_call("ncclCommDestroy", || {
+            nccl_call("ncclCommDestroy", |lib| {
                 // SAFETY: the communicator is live and destroyed once, here, with no clone left.
-                unsafe { result::comm_destroy(handle.0) }
+                unsafe { (lib.comm_destroy)(handle.0) }
             })
         });
         if let Err(error) = destroyed {
@@ -177,9 +173,9 @@ pub(crate) struct Registration {
 impl Drop for Registration {
     fn drop(&mut self) {
         let handle = self.comm.handle.lock().unwrap_or_else(|p| p.into_inner());
-        let deregistered = nccl_call("ncclCommDeregister", || {
+        let deregistered = nccl_call("ncclCommDeregister", |lib| {
             // SAFETY: the handle came from ncclCommRegister on this communicator, dropped once.
-            unsafe { nccl::ncclCommDeregister(handle.0, self.handle as *mut _) }.result()
+            unsafe { (lib.comm_deregister)(handle.0, self.handle as *mut _) }
         });
         if let Err(error) = deregistered {
             tracing::error!(%error, ptr = self.ptr, "deregistering an NCCL buffer failed");
