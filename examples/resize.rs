@@ -3,6 +3,11 @@
 //! - stablebuf: a block that reserved 3 GiB of addresses grows in place (one more mapping behind
 //!   the same address, no copy). Run twice: with the pool's cache warm (the chunks freed by the
 //!   last round are reused) and with the cache drained before each grow (a fresh `cuMemCreate`).
+//!   A third run keeps every round's block (a workload that keeps growing, so no grow can
+//!   reuse freed memory) with the pool creating memory ahead of need
+//!   (`PoolOptions::create_ahead`): the grow maps memory a worker created while the program
+//!   did its work (verifying the data; `ElasticPool::settle` waits for the worker so every round
+//!   measures the same thing). One profiled grow of each kind prints the driver-call split.
 //! - baseline: `cudaMalloc(3 GiB)` + copy 1.5 GiB + `cudaFree(old)`.
 //!
 //! Every round writes a seeded pattern before growing and checks it after, on the GPU, then
@@ -20,7 +25,7 @@ use clap::Parser;
 use stablebuf::buffer::{copy_between, LinearBuffer};
 use stablebuf::cudarc::driver::CudaStream;
 use stablebuf::pool::human_bytes;
-use stablebuf::{DeviceBuffer, ElasticPool, Error, Kernels, PoolOptions, Result};
+use stablebuf::{Block, DeviceBuffer, ElasticPool, Error, Kernels, PoolOptions, Result};
 
 const MIB: usize = 1 << 20;
 const SMALL: usize = 1536 * MIB;
@@ -110,6 +115,53 @@ fn grow_rounds(
     Ok(Timings { name, rounds })
 }
 
+/// Grows of a workload that keeps growing (every round's block is kept), with the pool
+/// creating memory ahead of need.
+fn ahead_rounds(
+    ctx: &Arc<stablebuf::cudarc::driver::CudaContext>,
+    kernels: &Kernels,
+    stream: &Arc<CudaStream>,
+    count: u32,
+) -> Result<Timings> {
+    let name = "stablebuf grow, new memory created ahead";
+    let pool = ElasticPool::new(ctx, PoolOptions::default().create_ahead(true))?;
+    let tenant = pool.register(name, LARGE * count as usize)?;
+    let mut kept: Vec<Block> = Vec::new();
+    let mut rounds = Vec::new();
+    let bar = support::progress(count.into(), name);
+    for round in 0..count {
+        let seed = 0xa4ea_0000 + round;
+        let mut block = tenant.alloc_growable(SMALL, LARGE)?;
+        kernels.fill_pattern(stream, &block, 0, SMALL / 4, seed)?;
+        sync(stream)?;
+        // The program's own work between grows outlasts one cuMemCreate; settle makes every
+        // round measure the same thing instead of racing the worker.
+        pool.settle();
+        let start = Instant::now();
+        block.grow(LARGE)?;
+        rounds.push(start.elapsed());
+        verify(kernels, stream, &block, 0, SMALL / 4, seed, name)?;
+        kernels.fill_pattern(stream, &block, SMALL / 4, (LARGE - SMALL) / 4, seed)?;
+        verify(kernels, stream, &block, 0, LARGE / 4, seed, name)?;
+        kept.push(block);
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    // One more, profiled: the driver calls of a grow into memory created ahead.
+    let mut block = tenant.alloc_growable(SMALL, LARGE)?;
+    sync(stream)?;
+    pool.settle();
+    let (grown, calls) = support::calls::profile(|| block.grow(LARGE));
+    grown?;
+    println!(
+        "  driver calls of one grow into memory created ahead: {}",
+        support::calls::summary(&calls, &[])
+    );
+    println!("  {}", tenant.stats()?);
+    drop((kept, block));
+    Ok(Timings { name, rounds })
+}
+
 fn copy_rounds(
     ctx: &Arc<stablebuf::cudarc::driver::CudaContext>,
     kernels: &Kernels,
@@ -190,9 +242,24 @@ fn run(args: &Args) -> Result<()> {
         "stablebuf grow, new memory each time",
     )?;
 
+    let ahead = ahead_rounds(&ctx, &kernels, &stream, rounds)?;
+    // The split of a grow into fresh memory: create / map / set-access.
+    {
+        let tenant = pool.register("profiled fresh grow", 2 * LARGE)?;
+        let mut block = tenant.alloc_growable(SMALL, LARGE)?;
+        sync(&stream)?;
+        pool.drain();
+        let (grown, calls) = support::calls::profile(|| block.grow(LARGE));
+        grown?;
+        println!(
+            "  driver calls of one grow into new memory: {}",
+            support::calls::summary(&calls, &[])
+        );
+    }
+
     let base = baseline.mean_us();
     let mut table = support::table(["approach", "mean µs", "first round µs", "vs baseline"]);
-    for t in [&warm, &fresh, &baseline] {
+    for t in [&warm, &fresh, &ahead, &baseline] {
         table.add_row([
             t.name.to_string(),
             format!("{:.1}", t.mean_us()),

@@ -108,7 +108,9 @@ impl Block {
         let mut state = self.shared.lock();
         state
             .grow(self.tenant, self.id, new_len)
-            .map_err(|e| self.map_gone(e))
+            .map_err(|e| self.map_gone(e))?;
+        self.shared.after_request(state);
+        Ok(())
     }
 
     /// Shrinks the block to `new_len` bytes: whole chunks past it are unmapped (after the fence)

@@ -4,6 +4,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use cudarc::driver::{CudaContext, CudaStream};
 
+use super::ahead::Ahead;
 use super::backend::Vmm;
 use super::block::Block;
 use super::book::TenantId;
@@ -27,6 +28,9 @@ pub struct PoolOptions {
     pub fence: FencePolicy,
     /// How many recent events the log keeps (default 65,536; 0 turns it off).
     pub event_capacity: usize,
+    /// After a request had to create memory, create as much again in the background for the
+    /// next one (default off; see [`super::ahead`]).
+    pub create_ahead: bool,
 }
 
 impl Default for PoolOptions {
@@ -37,6 +41,7 @@ impl Default for PoolOptions {
             drain_on_oom: true,
             fence: FencePolicy::Context,
             event_capacity: 1 << 16,
+            create_ahead: false,
         }
     }
 }
@@ -72,6 +77,13 @@ impl PoolOptions {
         self
     }
 
+    /// Whether a worker thread creates memory ahead of need ([`PoolOptions::create_ahead`]):
+    /// a growing workload's next grow then maps memory that already exists.
+    pub fn create_ahead(mut self, on: bool) -> Self {
+        self.create_ahead = on;
+        self
+    }
+
     /// How many recent events the log keeps; older ones are dropped and counted
     /// ([`ElasticPool::dropped_events`]). 0 turns the log (and the timeline) off.
     pub fn event_capacity(mut self, events: usize) -> Self {
@@ -84,6 +96,8 @@ pub(crate) struct Shared {
     ctx: Arc<CudaContext>,
     granularity: usize,
     state: Mutex<State<Vmm>>,
+    /// The create-ahead worker, when [`PoolOptions::create_ahead`] is on.
+    ahead: Option<Ahead>,
 }
 
 impl Shared {
@@ -91,6 +105,20 @@ impl Shared {
     /// were after its last completed step, so the lock is taken anyway rather than panicking.
     pub(crate) fn lock(&self) -> MutexGuard<'_, State<Vmm>> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    pub(crate) fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// After a request: what it created is what the create-ahead worker prepares next.
+    pub(crate) fn after_request(&self, state: MutexGuard<'_, State<Vmm>>) {
+        let mut state = state;
+        let created = state.take_created();
+        drop(state);
+        if let Some(ahead) = &self.ahead {
+            ahead.created(created);
+        }
     }
 }
 
@@ -126,13 +154,13 @@ impl ElasticPool {
             options.fence,
             options.event_capacity,
         );
-        Ok(Self {
-            shared: Arc::new(Shared {
-                ctx: ctx.clone(),
-                granularity,
-                state: Mutex::new(state),
-            }),
-        })
+        let shared = Arc::new_cyclic(|weak| Shared {
+            ctx: ctx.clone(),
+            granularity,
+            state: Mutex::new(state),
+            ahead: options.create_ahead.then(|| Ahead::start(weak.clone())),
+        });
+        Ok(Self { shared })
     }
 
     /// Registers a tenant with `virtual_capacity` bytes of addresses of its own (rounded up to
@@ -185,6 +213,14 @@ impl ElasticPool {
     /// Releases every cached chunk to the driver; returns the bytes released.
     pub fn drain(&self) -> usize {
         self.shared.lock().drain()
+    }
+
+    /// Waits until memory the pool is creating ahead of need ([`PoolOptions::create_ahead`]) is
+    /// in its cache; returns at once when nothing is under way or the option is off.
+    pub fn settle(&self) {
+        if let Some(ahead) = &self.shared.ahead {
+            ahead.settle();
+        }
     }
 
     /// Turns stitching on or off for later requests (see [`PoolOptions::stitching`]).
@@ -259,7 +295,9 @@ impl Tenant {
     /// A block of `len` bytes that reserves `max_len` bytes of addresses, so it can grow to
     /// `max_len` in place: [`Block::grow`] maps more memory behind it and never copies.
     pub fn alloc_growable(&self, len: usize, max_len: usize) -> Result<Block> {
-        let (id, address, capacity) = self.shared.lock().alloc(self.id, len, max_len)?;
+        let mut state = self.shared.lock();
+        let (id, address, capacity) = state.alloc(self.id, len, max_len)?;
+        self.shared.after_request(state);
         Ok(Block::new(
             self.shared.clone(),
             self.id,

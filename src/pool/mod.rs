@@ -63,6 +63,7 @@
 //! - A failed request changes nothing but the cache it released to make room.
 //! - Blocks of an unregistered tenant have length 0: copies and kernel launchers refuse them.
 
+pub mod ahead;
 mod backend;
 mod block;
 mod book;

@@ -149,8 +149,40 @@ impl<B: Backend> State<B> {
             .expect("budget and tenant checked above");
         self.memory.insert(id, Arc::new(memory));
         self.counters.creates += 1;
+        self.created_for_requests += bytes;
         self.log(EventKind::Create { chunk: id }, Some(tenant), 0, bytes);
         Ok(id)
+    }
+
+    /// Bytes created for requests since the last call (and resets the count): how much a
+    /// request just had to wait for `cuMemCreate`, so how much to create ahead of the next one.
+    pub(crate) fn take_created(&mut self) -> usize {
+        std::mem::take(&mut self.created_for_requests)
+    }
+
+    /// Puts memory created outside the lock (ahead of need) into the cache, where the next
+    /// request finds it. Gives the memory back (the caller drops it: released) if it does not
+    /// fit the budget now or is not a granule multiple.
+    pub(crate) fn adopt(&mut self, memory: B::Memory, bytes: usize) -> Result<ChunkId, B::Memory> {
+        let Some(id) = self.book.insert(bytes, None) else {
+            return Err(memory);
+        };
+        self.memory.insert(id, Arc::new(memory));
+        self.counters.creates += 1;
+        self.log(EventKind::Create { chunk: id }, None, 0, bytes);
+        Ok(id)
+    }
+
+    /// The memory the book can still take under the budget (`usize::MAX` without one).
+    pub(crate) fn budget_room(&self) -> usize {
+        self.book
+            .budget()
+            .map_or(usize::MAX, |b| b.saturating_sub(self.book.physical()))
+    }
+
+    /// The allocation granularity (every chunk is a multiple).
+    pub(crate) fn granularity(&self) -> usize {
+        self.book.granularity()
     }
 
     pub(super) fn give_back_all(&mut self, chunks: &[(ChunkId, bool)]) {
@@ -296,6 +328,54 @@ mod tests {
         // The next request, with nothing injected, is served.
         let (block, _, _) = state.alloc(tenant, 20 * G, 20 * G).unwrap();
         assert_eq!(state.info(tenant, block).unwrap().mappings, 20);
+        state.unregister(tenant).unwrap();
+    }
+    #[test]
+    fn memory_created_ahead_serves_the_next_request_without_a_create() {
+        use crate::pool::backend::Backend;
+        let fake = Fake::new(256 * G);
+        let switches = Switches {
+            stitching: true,
+            drain_on_oom: true,
+        };
+        let mut state = State::new(fake.clone(), G, None, switches, FencePolicy::Context, 64);
+        let tenant = state.register("t", 64 * G, None).unwrap();
+        let _first = state.alloc(tenant, 8 * G, 8 * G).unwrap();
+        assert_eq!(
+            state.take_created(),
+            8 * G,
+            "the first request created its memory"
+        );
+        assert_eq!(state.take_created(), 0, "and the count was reset");
+        let ahead = fake.create(8 * G).unwrap();
+        let id = state
+            .adopt(ahead, 8 * G)
+            .unwrap_or_else(|_| panic!("adopted"));
+        assert!(state.book().is_cached(id));
+        let creates = fake.calls(Call::Create);
+        let _second = state.alloc(tenant, 8 * G, 8 * G).unwrap();
+        assert_eq!(
+            fake.calls(Call::Create),
+            creates,
+            "served from the adopted chunk"
+        );
+        assert_eq!(state.take_created(), 0);
+        assert!(!state.book().is_cached(id));
+        assert_eq!(state.stats().creates, 2);
+        state.book().check_invariants().unwrap();
+        // Over the budget, adopting gives the memory back (dropped: released).
+        let mut capped = State::new(
+            fake.clone(),
+            G,
+            Some(4 * G),
+            switches,
+            FencePolicy::Context,
+            64,
+        );
+        assert_eq!(capped.budget_room(), 4 * G);
+        let live = fake.live_chunks();
+        assert!(capped.adopt(fake.create(8 * G).unwrap(), 8 * G).is_err());
+        assert_eq!(fake.live_chunks(), live, "the refused chunk was released");
         state.unregister(tenant).unwrap();
     }
 }

@@ -40,6 +40,9 @@ pub(crate) struct State<B: Backend> {
     next_block: u64,
     events: EventLog,
     counters: Counters,
+    /// Bytes of chunks created for requests since the pool last asked
+    /// ([`State::take_created`]): what a create-ahead worker prepares next.
+    created_for_requests: usize,
 }
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -136,6 +139,7 @@ impl<B: Backend> State<B> {
             next_block: 1,
             events: EventLog::new(event_capacity),
             counters: Counters::default(),
+            created_for_requests: 0,
         }
     }
 
