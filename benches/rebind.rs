@@ -199,6 +199,81 @@ fn slots(c: &mut Criterion, gpu: &Gpu, rec: &Recorder) -> Vec<String> {
     rows
 }
 
+const MANY: &str = "many-slot group bind, 1 GiB, each slot touched by its own kernel";
+
+/// A group of `n` slots (1 GiB in all, at least a granule each) bound right after one kernel per
+/// slot wrote it, against the driver floor warmed by the same kernels over the same pieces: the
+/// case decode-shaped weight groups (hundreds of tensors) are in.
+fn many_slots(c: &mut Criterion, gpu: &Gpu, rec: &Recorder) -> Vec<String> {
+    let gran = granularity(&gpu.ctx, false).unwrap();
+    let access = [gpu.ctx.ordinal()];
+    let mut rows = Vec::new();
+    let mut group = c.benchmark_group(MANY);
+    group
+        .sample_size(10)
+        .sampling_mode(SamplingMode::Flat)
+        .warm_up_time(Duration::from_millis(100))
+        .measurement_time(Duration::from_secs(1));
+    for n in [1usize, 16, 64, 256, 1024] {
+        let row = format!("{n} slots");
+        rows.push(row.clone());
+        let per_slot = ((1usize << 30) / n).max(gran);
+        let total_bytes = per_slot * n;
+        let mut builder = Layout::builder().group("g");
+        for s in 0..n {
+            builder = builder.input(format!("s{s}"), per_slot);
+        }
+        let space = Space::new(&gpu.ctx, builder.build().unwrap()).unwrap();
+        let datasets = [
+            space.new_dataset("g").unwrap(),
+            space.new_dataset("g").unwrap(),
+        ];
+        space.bind(&datasets[0]).unwrap();
+        let slot_ranges: Vec<Range> = space
+            .slots()
+            .iter()
+            .map(|s| Range(s.device_ptr(), s.bytes()))
+            .collect();
+        let floor_va = Arc::new(Reservation::new(&gpu.ctx, total_bytes, gran).unwrap());
+        let whole = [
+            Arc::new(Physical::new(&gpu.ctx, total_bytes, false).unwrap()),
+            Arc::new(Physical::new(&gpu.ctx, total_bytes, false).unwrap()),
+        ];
+        let mut floor_mapping =
+            Some(Mapping::new(&floor_va, 0, &whole[0], 0, total_bytes, &access).unwrap());
+        let floor_ranges: Vec<Range> = (0..n)
+            .map(|s| Range(floor_va.base() + (s * per_slot) as u64, per_slot))
+            .collect();
+        let touch_each = |ranges: &[Range]| {
+            for r in ranges {
+                gpu.kernels.fill(&gpu.stream, r, 1.0).unwrap();
+            }
+            gpu.stream.synchronize().unwrap();
+        };
+        let (mut flip_b, mut flip_f) = (0usize, 0usize);
+        Variants::new(MANY)
+            .add("bind", || {
+                flip_b += 1;
+                touch_each(&slot_ranges);
+                seconds(|| space.bind(&datasets[flip_b % 2]).unwrap())
+            })
+            .add("driver-floor", || {
+                flip_f += 1;
+                touch_each(&floor_ranges);
+                seconds(|| {
+                    gpu.ctx.synchronize().unwrap(); // the same fence a bind pays
+                    drop(floor_mapping.take());
+                    let physical = &whole[flip_f % 2];
+                    let m = Mapping::new(&floor_va, 0, physical, 0, total_bytes, &access);
+                    floor_mapping = Some(m.unwrap());
+                })
+            })
+            .bench(&mut group, rec, &row);
+    }
+    group.finish();
+    rows
+}
+
 fn main() {
     let Some(gpu) = gpu() else { return };
     let model = stablebuf::CostModel::for_device(&gpu.ctx).unwrap();
@@ -210,6 +285,7 @@ fn main() {
     let mut c = criterion();
     let rows = rebind_vs_copy(&mut c, &gpu, &rec);
     let slot_rows = slots(&mut c, &gpu, &rec);
+    let many_rows = many_slots(&mut c, &gpu, &rec);
     c.final_summary();
     rec.paired_table(
         GROUP,
@@ -234,6 +310,15 @@ fn main() {
         ],
     );
 
+    rec.paired_table(
+        MANY,
+        &["bind", "driver-floor"],
+        &many_rows,
+        "µs",
+        1e6,
+        &[Ratio::of("bind", "driver-floor")],
+    );
+
     println!("\n== targets");
     let auto_worst = rows
         .iter()
@@ -252,6 +337,15 @@ fn main() {
     let (low, high) = floor
         .iter()
         .fold((f64::MAX, 0.0f64), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+    let many_worst = many_rows
+        .iter()
+        .filter_map(|r| rec.ratio(MANY, r, &Ratio::of("bind", "driver-floor")))
+        .map(|s| s.median)
+        .fold(0.0, f64::max);
+    println!(
+        "a many-slot bind (one kernel per slot before it) within 1.1x of the warm driver floor at 1-1024 slots (worst {many_worst:.2}x): {}",
+        verdict(many_worst <= 1.1)
+    );
     println!(
         "coalesced/driver-floor holds still across slot counts (medians {low:.2}x-{high:.2}x, within 0.8-1.25x): {}",
         verdict(!floor.is_empty() && low >= 0.8 && high <= 1.25)

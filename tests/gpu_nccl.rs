@@ -3,20 +3,28 @@
 //! between replays and slept/woken, with the buffer registered never, once (a plain
 //! `Collective::register`, which the rebind leaves pointing at the old pages), or tracked
 //! (`Collective::register_slot`, re-registered by the bind). Every replay's result is checked
-//! against the CPU sum over ranks. Needs two GPUs; ignored (never passed) elsewhere.
+//! against the CPU sum over ranks, with the space's memory made exportable (`shareable`, POSIX
+//! file descriptors, as NCCL's own `ncclMemAlloc` makes it) or not. Needs two GPUs; ignored
+//! (never passed) elsewhere.
 //!
-//! Run with `NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,REG` to see which path NCCL took.
+//! Each case runs in a child process of this test binary (a failing NCCL case can leave its
+//! communicators unusable, or crash: that must not take the other cases with it); the parent
+//! prints every case's outcome and asserts on them. Run with
+//! `NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,REG` to see which path NCCL took.
 #![cfg(feature = "nccl")]
 
 mod common;
 
+use std::process::Command;
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
-use common::{deadline, random_vec, rng};
+use common::{deadline, rng};
 use stablebuf::buffer::copy_between;
 use stablebuf::collective::{Collective, CollectiveId};
-use stablebuf::{open_device, HostArena, HostStorage, Kernels, Layout, Space, StableGraph};
+use stablebuf::{
+    open_device, HostArena, HostStorage, Kernels, Layout, Space, SpaceOptions, StableGraph,
+};
 
 const MIB: usize = 1 << 20;
 const DATASETS: usize = 3;
@@ -29,11 +37,28 @@ enum Registration {
     Tracked,
 }
 
+impl Registration {
+    fn parse(text: &str) -> Self {
+        match text {
+            "Never" => Self::Never,
+            "Once" => Self::Once,
+            "Tracked" => Self::Tracked,
+            other => panic!("unknown registration mode {other:?}"),
+        }
+    }
+}
+
+/// One case: the registration mode and whether the space's memory is exportable.
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    mode: Registration,
+    shareable: bool,
+}
+
 /// What one rank saw in one mode: for each round, whether every element was right.
 #[derive(Debug)]
 struct RankReport {
     rank: usize,
-    mode: Registration,
     correct: Vec<bool>,
     worst: f32,
     registrations: u64,
@@ -53,10 +78,11 @@ fn run_rank(
     rank: usize,
     world: usize,
     id: CollectiveId,
-    mode: Registration,
+    case: Case,
     data: Arc<Data>,
     barrier: Arc<Barrier>,
 ) -> RankReport {
+    let mode = case.mode;
     let ctx = open_device(rank).unwrap();
     let stream = ctx.new_stream().unwrap();
     let kernels = Arc::new(Kernels::load(&ctx).unwrap());
@@ -68,7 +94,12 @@ fn run_rank(
         .output("y", bytes)
         .build()
         .unwrap();
-    let space = Space::new(&ctx, layout).unwrap();
+    let space = Space::with_options(
+        &ctx,
+        layout,
+        SpaceOptions::default().shareable(case.shareable),
+    )
+    .unwrap();
     let mut datasets: Vec<_> = data[rank]
         .iter()
         .map(|x| {
@@ -78,6 +109,12 @@ fn run_rank(
         })
         .collect();
     space.bind(&datasets[0]).unwrap();
+    // NCCL connects its peers on a collective's first use (lazily, per algorithm); that setup
+    // cannot run inside a capture, so one eager all-reduce of the same size comes first.
+    collective
+        .all_reduce_sum(&stream, space.slot("y").unwrap())
+        .unwrap();
+    stream.synchronize().unwrap();
     let (x, y, c, k) = (
         space.slot("x").unwrap().clone(),
         space.slot("y").unwrap().clone(),
@@ -135,21 +172,20 @@ fn run_rank(
     drop((once, tracked, graph));
     RankReport {
         rank,
-        mode,
         correct,
         worst,
         registrations,
     }
 }
 
-fn run_mode(mode: Registration, data: Arc<Data>) -> Vec<RankReport> {
+fn run_case(case: Case, data: Arc<Data>) -> Vec<RankReport> {
     let world = data.len();
     let id = CollectiveId::new().unwrap();
     let barrier = Arc::new(Barrier::new(world));
     let ranks: Vec<_> = (0..world)
         .map(|rank| {
             let (data, barrier) = (data.clone(), barrier.clone());
-            std::thread::spawn(move || run_rank(rank, world, id, mode, data, barrier))
+            std::thread::spawn(move || run_rank(rank, world, id, case, data, barrier))
         })
         .collect();
     ranks
@@ -161,57 +197,123 @@ fn run_mode(mode: Registration, data: Arc<Data>) -> Vec<RankReport> {
         .collect()
 }
 
+/// The data every case uses: the same in every child (seeded by the parent).
+fn case_data(seed: u64, world: usize) -> Arc<Data> {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    // 4 MiB per buffer: above NCCL's thresholds for registered (zero-copy) transfers.
+    let words = 4 * MIB / 4;
+    Arc::new(
+        (0..world)
+            .map(|_| {
+                (0..DATASETS)
+                    .map(|_| (0..words).map(|_| rng.gen_range(-1.0f32..1.0)).collect())
+                    .collect()
+            })
+            .collect(),
+    )
+}
+
+const TEST_NAME: &str =
+    "an_all_reduce_in_a_graph_stays_right_across_rebinds_and_sleep_with_every_registration_mode";
+
+/// In a child: runs the case named by the environment and prints one line per rank.
+fn child_case(spec: &str) {
+    let mut parts = spec.split(',');
+    let (seed, mode, shareable) = (
+        parts.next().unwrap().parse().unwrap(),
+        Registration::parse(parts.next().unwrap()),
+        parts.next().unwrap() == "shareable",
+    );
+    let world = stablebuf::device_count().unwrap();
+    let case = Case { mode, shareable };
+    let reports = deadline::within("nccl ranks", Duration::from_secs(120), move || {
+        run_case(case, case_data(seed, world))
+    });
+    for report in reports {
+        let right = report.correct.iter().filter(|c| **c).count();
+        println!(
+            "CASE {mode:?} {} rank {} right {right} of {ROUNDS} worst {:.1e} registrations {}",
+            if shareable { "shareable" } else { "private" },
+            report.rank,
+            report.worst,
+            report.registrations
+        );
+    }
+}
+
 #[test]
 #[ignore = "needs two CUDA GPUs"]
 fn an_all_reduce_in_a_graph_stays_right_across_rebinds_and_sleep_with_every_registration_mode() {
+    if let Ok(spec) = std::env::var("STABLEBUF_NCCL_CASE") {
+        return child_case(&spec);
+    }
     let world = stablebuf::device_count().expect("a CUDA driver");
     assert!(world >= 2, "this test needs two CUDA GPUs, found {world}");
     let (library, version) = stablebuf::collective::library().expect("libnccl");
     eprintln!("libnccl {version} from {library}");
-    let mut rng = rng("nccl_registration");
-    // 4 MiB per buffer: above NCCL's registration threshold for the P2P transport.
-    let words = 4 * MIB / 4;
-    let data: Arc<Data> = Arc::new(
-        (0..world)
-            .map(|_| (0..DATASETS).map(|_| random_vec(&mut rng, words)).collect())
-            .collect(),
-    );
-    let mut summary = Vec::new();
-    for mode in [
-        Registration::Never,
-        Registration::Tracked,
-        Registration::Once,
-    ] {
-        let data = data.clone();
-        let reports = deadline::within("nccl ranks", Duration::from_secs(180), move || {
-            run_mode(mode, data)
-        });
-        for report in &reports {
-            let right = report.correct.iter().filter(|c| **c).count();
-            eprintln!(
-                "registration {:?}, rank {}: {right} of {ROUNDS} rounds right (worst finite error {:.1e}), {} registrations",
-                report.mode, report.rank, report.worst, report.registrations
-            );
-            summary.push((mode, report.rank, right));
+    let seed: u64 = {
+        use rand::Rng;
+        rng("nccl_registration").gen()
+    };
+    let exe = std::env::current_exe().unwrap();
+    // (mode, shareable) -> ranks that were right every round, or why the case failed.
+    let mut outcomes = Vec::new();
+    for shareable in [true, false] {
+        for mode in [
+            Registration::Never,
+            Registration::Tracked,
+            Registration::Once,
+        ] {
+            let label = if shareable { "shareable" } else { "private" };
+            let output = Command::new(&exe)
+                .args([TEST_NAME, "--exact", "--include-ignored", "--nocapture"])
+                .env("STABLEBUF_NCCL_CASE", format!("{seed},{mode:?},{label}"))
+                .output()
+                .expect("run a child case");
+            let stdout = String::from_utf8_lossy(&output.stdout);
+            let stderr = String::from_utf8_lossy(&output.stderr);
+            let lines: Vec<&str> = stdout.lines().filter(|l| l.starts_with("CASE ")).collect();
+            for line in &lines {
+                println!("{line}");
+            }
+            let all_right = output.status.success()
+                && lines.len() == world
+                && lines
+                    .iter()
+                    .all(|l| l.contains(&format!("right {ROUNDS} of {ROUNDS}")));
+            if !output.status.success() || lines.len() != world {
+                let why: Vec<&str> = stderr
+                    .lines()
+                    .chain(stdout.lines())
+                    .filter(|l| l.contains("panicked") || l.contains("Err") || l.contains("WARN"))
+                    .take(4)
+                    .collect();
+                println!(
+                    "CASE {mode:?} {label} FAILED ({}): {}",
+                    output.status,
+                    why.join(" | ")
+                );
+            }
+            outcomes.push((mode, shareable, all_right));
         }
     }
-    for (mode, rank, right) in &summary {
-        // Unregistered and tracked registrations must be right every round. A registration made
-        // once is what we test for: its outcome is printed, and the module docs say what it was.
-        if *mode != Registration::Once {
-            assert_eq!(*right, ROUNDS, "{mode:?}, rank {rank}: wrong results");
+    for (mode, shareable, right) in &outcomes {
+        println!(
+            "nccl registration finding: {mode:?}, {} memory: {}",
+            if *shareable { "exportable" } else { "private" },
+            if *right {
+                "right in every round"
+            } else {
+                "WRONG or failed"
+            }
+        );
+    }
+    // What stablebuf promises: without registration, and with register_slot, an all-reduce
+    // over memory that rebinds and sleeps is right in every round (exportable memory).
+    for (mode, shareable, right) in &outcomes {
+        if *shareable && *mode != Registration::Once {
+            assert!(right, "{mode:?} over exportable memory: wrong results");
         }
     }
-    let once_right = summary
-        .iter()
-        .filter(|(m, ..)| *m == Registration::Once)
-        .all(|(.., right)| *right == ROUNDS);
-    println!(
-        "nccl registration finding: made once, it {} across {ROUNDS} rebinds and sleeps",
-        if once_right {
-            "stayed right"
-        } else {
-            "went STALE (wrong results)"
-        }
-    );
 }

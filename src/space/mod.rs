@@ -473,6 +473,11 @@ impl SpaceShared {
     /// the returned lock drops.
     pub(crate) fn lock_replayable(&self, stream: &Arc<CudaStream>) -> Result<ReplayLock<'_>> {
         let mut state = self.lock();
+        // A sleeping space refuses replays as asleep, also one without scratch (its groups
+        // were unbound by the sleep, not by the caller).
+        if state.sleeping.is_some() {
+            return Err(Error::Asleep);
+        }
         self.require_scratch(&state)?;
         if let Some(index) = state.bound.first_zero() {
             return Err(Error::Unbound {
