@@ -14,6 +14,9 @@
 #   seed-*        resize and fragmentation: without the layer, monitor, vmm, vmm + copy elision,
 #                 and the fragmentation request in vmm without stitching or drain; one table
 #   catch-*       every allocation path the layer claims to catch, and its error paths
+#   elision-*     copy elision against no layer: every interleaving between the copy and the
+#                 free (elision_interleavings.cu, legacy and per-thread default stream builds),
+#                 then seeded random multi-threaded programs; every buffer's hash must match
 #   torch-*       CUDA graph + pause/resume of the weights' tag; training with and without it
 #   tms-compare   pause/resume against torch_memory_saver
 # Ends with "preload GPU demos: N passed, M failed"; exit status 1 if any step failed.
@@ -65,8 +68,9 @@ step() {
     echo "=== $name"
     t0=$(date +%s.%N)
     if declare -F "$1" >/dev/null; then
-        # A shell function: run it in a child bash (exported below) so timeout can kill it.
-        timeout "$limit" bash -c "$1" >"$log" 2>&1
+        # A shell function: run it (with its arguments) in a child bash (exported below) so
+        # timeout can kill it.
+        timeout "$limit" bash -c '"$@"' _ "$@" >"$log" 2>&1
     else
         timeout "$limit" "$@" >"$log" 2>&1
     fi
@@ -101,9 +105,48 @@ build() {
     LD_LIBRARY_PATH="$SEED_LIBS" ldd "$SEED" | grep -E "libcudart|libcuda\." || true
     LD_LIBRARY_PATH="$SEED_LIBS" ldd "$SEED" | grep -q libcudart
 }
+# elision_interleavings.cu twice: the default (legacy) stream, and --default-stream per-thread
+# (whose calls are the _ptsz/_ptds entry points).
+ELIDE_BIN="$OUTDIR/elision_interleavings"
+build_elision() {
+    local mode
+    for mode in legacy per-thread; do
+        local extra=()
+        [ "$mode" = per-thread ] && extra=(--default-stream per-thread)
+        local common=(-O2 -std=c++17 -cudart shared -arch=sm_90 "${extra[@]}" -I"$INCLUDE"
+            "$DEMO/elision_interleavings.cu" -o "$ELIDE_BIN-$mode" -ldl)
+        "$NVCC" "${common[@]}" -lcuda ||
+            "$NVCC" "${common[@]}" -L"$CUDA_HOME/lib64/stubs" -lcuda || return 1
+        echo "built $ELIDE_BIN-$mode"
+        nm -D "$ELIDE_BIN-$mode" | grep -E "__cudaLaunchKernel|_ptsz|_ptds" | head -5
+    done
+}
+# compare_elision NAME: the HASH/RHASH lines of $OUTDIR/NAME-none.log and NAME-vmm.log must be
+# identical and not empty; prints one RESULT line with the layer's elision counters.
+compare_elision() {
+    local name=$1 none="$OUTDIR/$1-none.log" vmm="$OUTDIR/$1-vmm.log"
+    local lines differ
+    lines=$(grep -cE "^R?HASH" "$none")
+    differ=$(diff <(grep -E "^R?HASH" "$none") <(grep -E "^R?HASH" "$vmm") | grep -c "^[<>]")
+    diff <(grep -E "^R?HASH" "$none") <(grep -E "^R?HASH" "$vmm") | head -n 20
+    local stats
+    stats=$(grep -E "^STATS (plain|random) " "$vmm" | head -n 1)
+    echo "RESULT $name: $lines buffer hashes compared, $differ lines differ; vmm+elision ${stats#STATS }"
+    grep -E "^STATS " "$vmm" | sed 's/^/    /'
+    grep -h "copy elision is off" "$vmm" | head -n 2
+    [ "$lines" -gt 0 ] && [ "$differ" -eq 0 ] || return 1
+    # Elision must still happen in the plain grow-by-copy case.
+    if [ "$name" != elision-random ]; then
+        grep -qE "^STATS plain deferred=1 elided=1 " "$vmm" || {
+            echo "FAILED: the plain resize was not elided"
+            return 1
+        }
+    fi
+}
 SITE=/tmp/site
-export LIB WHEELS DEMO INCLUDE OUTDIR CUDA_HOME NVCC PY SEED SEED_LIBS SITE
-export -f build
+ELIDE_PROGRAMS=${ELIDE_PROGRAMS:-1000}
+export LIB WHEELS DEMO INCLUDE OUTDIR CUDA_HOME NVCC PY SEED SEED_LIBS SITE ELIDE_BIN ELIDE_PROGRAMS
+export -f build build_elision compare_elision
 if step build 180 build; then
     BUILT=1
 else
@@ -134,6 +177,20 @@ if [ $BUILT -eq 1 ]; then
     step catch-monitor 60 "${layer[@]}" STABLEBUF_PRELOAD_MODE=monitor "$SEED" catch
     step catch-vmm 60 "${layer[@]}" STABLEBUF_PRELOAD_MODE=vmm "$SEED" catch
     step catch-vmm-elision 60 "${layer[@]}" STABLEBUF_PRELOAD_MODE=vmm STABLEBUF_PRELOAD_ELIDE_COPIES=1 "$SEED" catch
+fi
+
+# ---- copy elision: every interleaving, then random programs -------------------------------
+elide=(env LD_LIBRARY_PATH="$SEED_LIBS" LD_PRELOAD="$LIB" STABLEBUF_PRELOAD_MODE=vmm
+    STABLEBUF_PRELOAD_ELIDE_COPIES=1 STABLEBUF_PRELOAD_ELIDE_MIN=1M)
+if step elision-build 240 build_elision; then
+    for mode in legacy per-thread; do
+        step elision-$mode-none 60 "${seed[@]}" "$ELIDE_BIN-$mode" all
+        step elision-$mode-vmm 60 "${elide[@]}" "$ELIDE_BIN-$mode" all
+        step elision-$mode 20 compare_elision elision-$mode
+    done
+    step elision-random-none 150 "${seed[@]}" "$ELIDE_BIN-legacy" random "$ELIDE_PROGRAMS" 2024
+    step elision-random-vmm 150 "${elide[@]}" "$ELIDE_BIN-legacy" random "$ELIDE_PROGRAMS" 2024
+    step elision-random 20 compare_elision elision-random
 fi
 
 # ---- PyTorch ------------------------------------------------------------------------------
@@ -179,7 +236,7 @@ for report in seed-report tms-compare; do
         grep -vE "^(---|    exit)" "$OUTDIR/$report.log" | grep -E "^\||TARGET|FAILED|GiB" | cut -c1-300
     fi
 done
-for log in catch-none catch-monitor catch-vmm catch-vmm-elision torch-graph-pause torch-train-compare; do
+for log in catch-none catch-monitor catch-vmm catch-vmm-elision elision-legacy elision-per-thread elision-random torch-graph-pause torch-train-compare; do
     [ -f "$OUTDIR/$log.log" ] && grep -hE "^RESULT" "$OUTDIR/$log.log" | cut -c1-300 | sed "s/^/$log: /"
 done
 echo "timelines: $(ls "$OUTDIR"/*.svg 2>/dev/null | tr '\n' ' ')"

@@ -11,6 +11,8 @@
 //! Rules (what [`Elider::on_copy`] checks, in order):
 //! - the copy is device to device (`cudaMemcpyDeviceToDevice` or `cudaMemcpyDefault`) and its
 //!   stream is not capturing;
+//! - the layer is sure it sees every call that may touch memory (no library with its own CUDA
+//!   runtime loaded, no unwrapped driver function handed out);
 //! - source and destination are pool allocations of the layer (untagged), on one device, and
 //!   not the same one;
 //! - the copy reads the **whole** source (from its start, exactly its size as asked) and writes
@@ -63,6 +65,9 @@ pub struct CopyRequest {
     /// `cudaMemcpyDeviceToDevice` or `cudaMemcpyDefault`.
     pub device_to_device: bool,
     pub capturing: bool,
+    /// The layer cannot see everything that may touch memory (a library with its own CUDA
+    /// runtime is loaded, or an unwrapped driver function was handed out): never defer.
+    pub unsure: bool,
     /// The pool allocations containing `dst` and `src`, if they are the layer's.
     pub dst_alloc: Option<Alloc>,
     pub src_alloc: Option<Alloc>,
@@ -72,6 +77,7 @@ pub struct CopyRequest {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Reason {
     NotDeviceToDevice,
+    Unsure,
     Capturing,
     NotPool,
     CrossDevice,
@@ -153,6 +159,9 @@ impl Elider {
     fn check(&self, copy: &CopyRequest, epoch: u64) -> Result<usize, Reason> {
         if !copy.device_to_device {
             return Err(Reason::NotDeviceToDevice);
+        }
+        if copy.unsure {
+            return Err(Reason::Unsure);
         }
         if copy.capturing {
             return Err(Reason::Capturing);
@@ -243,6 +252,7 @@ mod tests {
             sync: true,
             device_to_device: true,
             capturing: false,
+            unsure: false,
             dst_alloc: alloc(B, 3 * GIB),
             src_alloc: alloc(A, 3 * GIB / 2),
         }
@@ -363,6 +373,13 @@ mod tests {
                     ..resize_copy()
                 },
                 Reason::Capturing,
+            ),
+            (
+                CopyRequest {
+                    unsure: true,
+                    ..resize_copy()
+                },
+                Reason::Unsure,
             ),
             (
                 CopyRequest {

@@ -8,7 +8,7 @@
 //! a concurrent free cannot unmap a source being read.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -90,6 +90,9 @@ pub struct Engine<D: Device> {
     pending: AtomicUsize,
     /// Bumped at every flush point: an allocation is fresh while it has not moved.
     epoch: AtomicU64,
+    /// Set once the layer cannot see every call that may touch memory: nothing is deferred
+    /// any more (when unsure, copy).
+    unsure: AtomicBool,
     counters: Arc<Counters>,
 }
 
@@ -118,6 +121,7 @@ impl<D: Device> Engine<D> {
             }),
             pending: AtomicUsize::new(0),
             epoch: AtomicU64::new(0),
+            unsure: AtomicBool::new(false),
             counters,
         }
     }
@@ -346,6 +350,19 @@ impl<D: Device> Engine<D> {
         first_failure.map_or(Ok(()), Err)
     }
 
+    /// From now on no copy is deferred, and the pending ones are performed now. Returns
+    /// whether this call is the one that stopped elision.
+    pub fn stop_eliding(&self) -> Result<bool, Fail> {
+        let first = !self.unsure.swap(true, Ordering::SeqCst);
+        self.flush()?;
+        Ok(first)
+    }
+
+    /// Whether elision was stopped ([`Engine::stop_eliding`]).
+    pub fn unsure(&self) -> bool {
+        self.unsure.load(Ordering::SeqCst)
+    }
+
     /// A copy call with elision on: deferred, or (after performing the pending ones) passed on.
     pub fn copy(&self, call: CopyCall) -> Result<Copied, Fail> {
         let epoch = self.epoch.load(Ordering::SeqCst);
@@ -377,6 +394,7 @@ impl<D: Device> Engine<D> {
             sync: call.sync,
             device_to_device: call.device_to_device,
             capturing,
+            unsure: self.unsure.load(Ordering::SeqCst),
             dst_alloc,
             src_alloc,
         };
@@ -960,6 +978,33 @@ mod tests {
         assert_eq!(engine.copy(d2d(b, a, GIB)), Ok(Copied::PassThrough));
         let (plain, _, _) = engine_pair_without_elision();
         assert!(!plain.eliding());
+    }
+
+    #[test]
+    fn once_unsure_pending_copies_are_performed_and_nothing_is_deferred() {
+        let (engine, devices, counters) = engine(true);
+        let a = engine.alloc(0, GIB, None).unwrap();
+        let b = engine.alloc(0, 2 * GIB, None).unwrap();
+        assert_eq!(engine.copy(d2d(b, a, GIB)), Ok(Copied::Deferred));
+        assert_eq!(engine.stop_eliding(), Ok(true));
+        assert_eq!(
+            engine.stop_eliding(),
+            Ok(false),
+            "only the first call stops it"
+        );
+        assert!(engine.unsure());
+        let log = lock(&devices)[0].log();
+        assert!(
+            log.contains(&format!("copy {b:#x} <- {a:#x} {GIB} on 0x5")),
+            "{log:?}"
+        );
+        let c = engine.alloc(0, GIB, None).unwrap();
+        let d = engine.alloc(0, 2 * GIB, None).unwrap();
+        assert_eq!(engine.copy(d2d(d, c, GIB)), Ok(Copied::PassThrough));
+        engine.free(a).unwrap();
+        engine.free(c).unwrap();
+        assert_eq!(Counters::get(&counters.copies_elided), 0);
+        assert_eq!(Counters::get(&counters.copies_performed), 1);
     }
 
     fn engine_pair_without_elision() -> TestEngine {

@@ -6,9 +6,12 @@
 //! The lookup takes a base name (`"cuMemAlloc"`), a CUDA version and flags; the driver returns
 //! the newest variant introduced at or before that version (`cuMemAlloc_v2` since 3.2). The
 //! memory functions have no per-thread-stream variants, so their variant follows from name and
-//! version alone. Functions that take a stream do have `_ptsz`/`_ptds` variants: for those the
-//! layer substitutes only when the pointer the driver returned *is* the legacy-stream function
-//! it hooks (compared by address), never guessing stream semantics.
+//! version alone. Functions that take a stream (the flush points of copy elision) have
+//! `_ptsz`/`_ptds` variants: for those the layer hands out the hook of exactly the function
+//! the driver returned (recognised by address), so the hook calls that same function and the
+//! stream semantics never change. A function that may touch memory and that the layer does
+//! not wrap makes the lookup [`Substitution::Unseen`]: copy elision stops for the process,
+//! because calls through that pointer will never be flush points.
 
 /// `CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM` / `cudaEnablePerThreadDefaultStream`.
 pub const PER_THREAD_DEFAULT_STREAM: u64 = 2;
@@ -37,7 +40,7 @@ const fn v(base: &'static str, hooked: &'static str, since: i32, stream_ordered:
     }
 }
 
-/// Every hooked driver function by base name.
+/// The hooked driver memory functions by base name (the flush points are matched by address).
 pub const VARIANTS: &[Variant] = &[
     v("cuMemAlloc", "cuMemAlloc_v2", 3020, false),
     v("cuMemFree", "cuMemFree_v2", 3020, false),
@@ -50,30 +53,146 @@ pub const VARIANTS: &[Variant] = &[
         stream_ordered: false,
     },
     v("cuGetProcAddress", "cuGetProcAddress_v2", 12000, false),
-    v("cuLaunchKernel", "cuLaunchKernel", 4000, true),
-    v("cuLaunchKernelEx", "cuLaunchKernelEx", 11060, true),
-    v(
-        "cuLaunchCooperativeKernel",
-        "cuLaunchCooperativeKernel",
-        9000,
-        true,
-    ),
-    v("cuGraphLaunch", "cuGraphLaunch", 10000, true),
-    v("cuMemcpy", "cuMemcpy", 4000, true),
-    v("cuMemcpyAsync", "cuMemcpyAsync", 4000, true),
-    v("cuMemcpyDtoD", "cuMemcpyDtoD_v2", 3020, true),
-    v("cuMemcpyDtoDAsync", "cuMemcpyDtoDAsync_v2", 3020, true),
-    v("cuMemcpyHtoD", "cuMemcpyHtoD_v2", 3020, true),
-    v("cuMemcpyHtoDAsync", "cuMemcpyHtoDAsync_v2", 3020, true),
-    v("cuMemcpyDtoH", "cuMemcpyDtoH_v2", 3020, true),
-    v("cuMemcpyDtoHAsync", "cuMemcpyDtoHAsync_v2", 3020, true),
-    v("cuMemsetD8", "cuMemsetD8_v2", 3020, true),
-    v("cuMemsetD32", "cuMemsetD32_v2", 3020, true),
-    v("cuMemsetD8Async", "cuMemsetD8Async", 3020, true),
-    v("cuMemsetD32Async", "cuMemsetD32Async", 3020, true),
-    v("cuStreamSynchronize", "cuStreamSynchronize", 2000, true),
-    v("cuCtxSynchronize", "cuCtxSynchronize", 2000, false),
 ];
+
+/// Driver functions (by prefix of their base name) that cannot read or write the contents of
+/// device memory, nor order or wait for work that does: handing them out unwrapped is safe for
+/// copy elision. Everything else that the layer does not wrap is treated as touching memory.
+/// An allowlist, so a function CUDA adds later is unsafe until someone looks at it.
+pub const HARMLESS_PREFIXES: &[&str] = &[
+    "cuInit",
+    "cuDriverGetVersion",
+    "cuGetErrorString",
+    "cuGetErrorName",
+    "cuGetProcAddress",
+    "cuDevice",
+    "cuCtxCreate",
+    "cuCtxDestroy",
+    "cuCtxGet",
+    "cuCtxSet",
+    "cuCtxPushCurrent",
+    "cuCtxPopCurrent",
+    "cuCtxAttach",
+    "cuCtxDetach",
+    "cuCtxEnablePeerAccess",
+    "cuCtxDisablePeerAccess",
+    "cuGreenCtx",
+    "cuDevicePrimaryCtx",
+    "cuModule",
+    "cuLibrary",
+    "cuKernel",
+    "cuFunc",
+    "cuLink",
+    "cuOccupancy",
+    "cuMemAlloc",
+    "cuMemFree",
+    "cuMemGetInfo",
+    "cuMemGetAddressRange",
+    "cuMemHostAlloc",
+    "cuMemHostFree",
+    "cuMemHostGetDevicePointer",
+    "cuMemHostGetFlags",
+    "cuMemHostRegister",
+    "cuMemHostUnregister",
+    "cuMemCreate",
+    "cuMemRelease",
+    "cuMemAddressReserve",
+    "cuMemAddressFree",
+    "cuMemMap",
+    "cuMemUnmap",
+    "cuMemSetAccess",
+    "cuMemGetAccess",
+    "cuMemExportToShareableHandle",
+    "cuMemImportFromShareableHandle",
+    "cuMemGetAllocationGranularity",
+    "cuMemGetAllocationPropertiesFromHandle",
+    "cuMemRetainAllocationHandle",
+    "cuMemGetHandleForAddressRange",
+    "cuMemPool",
+    "cuMemAdvise",
+    "cuMemRangeGetAttribute",
+    "cuPointerGetAttribute",
+    "cuPointerSetAttribute",
+    "cuStreamCreate",
+    "cuStreamDestroy",
+    "cuStreamGet",
+    "cuStreamIsCapturing",
+    "cuStreamSetAttribute",
+    "cuStreamCopyAttributes",
+    "cuThreadExchangeStreamCaptureMode",
+    "cuEventCreate",
+    "cuEventDestroy",
+    "cuEventElapsedTime",
+    "cuGraphCreate",
+    "cuGraphDestroy",
+    "cuGraphAdd",
+    "cuGraphClone",
+    "cuGraphGet",
+    "cuGraphNode",
+    "cuGraphKernelNode",
+    "cuGraphMemcpyNode",
+    "cuGraphMemsetNode",
+    "cuGraphHostNode",
+    "cuGraphChildGraphNode",
+    "cuGraphEventRecordNode",
+    "cuGraphEventWaitNode",
+    "cuGraphExternalSemaphores",
+    "cuGraphBatchMemOpNode",
+    "cuGraphMemAllocNode",
+    "cuGraphMemFreeNode",
+    "cuGraphConditionalHandleCreate",
+    "cuGraphDebugDotPrint",
+    "cuGraphInstantiate",
+    "cuGraphExecDestroy",
+    "cuGraphExecGetFlags",
+    "cuGraphExecUpdate",
+    "cuGraphExecKernelNodeSetParams",
+    "cuGraphExecMemcpyNodeSetParams",
+    "cuGraphExecMemsetNodeSetParams",
+    "cuGraphExecHostNodeSetParams",
+    "cuGraphExecChildGraphNodeSetParams",
+    "cuGraphExecEventRecordNodeSetEvent",
+    "cuGraphExecEventWaitNodeSetEvent",
+    "cuGraphExecExternalSemaphores",
+    "cuGraphExecBatchMemOpNodeSetParams",
+    "cuGraphExecNodeSetParams",
+    "cuGraphRelease",
+    "cuGraphRetain",
+    "cuGraphRemoveDependencies",
+    "cuGraphDestroyNode",
+    "cuUserObject",
+    "cuDeviceGraphMemTrim",
+    "cuTexObject",
+    "cuSurfObject",
+    "cuTexRef",
+    "cuSurfRef",
+    "cuTensorMapEncode",
+    "cuTensorMapReplace",
+    "cuArrayCreate",
+    "cuArrayDestroy",
+    "cuArrayGet",
+    "cuArray3DCreate",
+    "cuArray3DGet",
+    "cuMipmappedArray",
+    "cuProfiler",
+    "cuCoredump",
+    "cuLogs",
+    "cuImportExternal",
+    "cuExternalMemoryGet",
+    "cuDestroyExternal",
+    "cuIpcGetEventHandle",
+    "cuIpcOpenEventHandle",
+    "cuMulticastCreate",
+    "cuMulticastGetGranularity",
+    "cuMulticastAddDevice",
+    "cuMulticastBind",
+    "cuMulticastUnbind",
+];
+
+/// Whether a driver function may be handed out unwrapped without blinding copy elision.
+pub fn harmless(symbol: &str) -> bool {
+    HARMLESS_PREFIXES.iter().any(|p| symbol.starts_with(p))
+}
 
 /// The lookup the caller made.
 #[derive(Clone, Copy, Debug)]
@@ -85,21 +204,42 @@ pub struct Lookup<'a> {
     pub flags: u64,
     /// The name of the real function the driver returned, if its address is one of the
     /// exported functions the layer resolved (`None` if it is not, or unknown).
-    pub returned: Option<&'a str>,
+    pub returned: Option<&'static str>,
+}
+
+/// What to do with the pointer a lookup returned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Substitution {
+    /// Hand out the layer's hook of this (exported) name instead.
+    Hook(&'static str),
+    /// Leave the driver's pointer.
+    Keep,
+    /// Leave it, but it may touch memory unseen: copy elision must stop (when it is on).
+    Unseen,
 }
 
 /// Which hooked function to hand out instead of what the driver returned, if any.
-/// `stream_hooks`: whether flush-point hooks are wanted (copy elision is on).
-pub fn substitute(lookup: &Lookup<'_>, stream_hooks: bool) -> Option<&'static str> {
-    let variant = VARIANTS
+/// `eliding`: whether flush-point hooks are wanted (copy elision is on). `is_flush_hook(name)`
+/// says whether the layer exports a flush-point hook of that real function's name.
+pub fn substitute(
+    lookup: &Lookup<'_>,
+    eliding: bool,
+    is_flush_hook: impl Fn(&str) -> bool,
+) -> Substitution {
+    if let Some(variant) = VARIANTS
         .iter()
-        .find(|v| v.base == lookup.symbol && (v.since..=v.until).contains(&lookup.version))?;
-    if !variant.stream_ordered {
-        return Some(variant.hooked);
+        .find(|v| v.base == lookup.symbol && (v.since..=v.until).contains(&lookup.version))
+    {
+        return Substitution::Hook(variant.hooked);
     }
-    let per_thread = lookup.flags & PER_THREAD_DEFAULT_STREAM != 0;
-    (stream_hooks && !per_thread && lookup.returned == Some(variant.hooked))
-        .then_some(variant.hooked)
+    if !eliding {
+        return Substitution::Keep;
+    }
+    match lookup.returned {
+        Some(returned) if is_flush_hook(returned) => Substitution::Hook(returned),
+        _ if harmless(lookup.symbol) => Substitution::Keep,
+        _ => Substitution::Unseen,
+    }
 }
 
 #[cfg(test)]
@@ -119,27 +259,33 @@ mod tests {
     #[test]
     fn memory_functions_follow_name_and_version() {
         assert_eq!(
-            substitute(&lookup("cuMemAlloc", 12000), false),
-            Some("cuMemAlloc_v2")
+            substitute(&lookup("cuMemAlloc", 12000), false, flush),
+            Substitution::Hook("cuMemAlloc_v2")
         );
         assert_eq!(
-            substitute(&lookup("cuMemAlloc", i32::MAX), false),
-            Some("cuMemAlloc_v2")
+            substitute(&lookup("cuMemAlloc", i32::MAX), false, flush),
+            Substitution::Hook("cuMemAlloc_v2")
         );
         assert_eq!(
-            substitute(&lookup("cuMemFree", 13000), false),
-            Some("cuMemFree_v2")
+            substitute(&lookup("cuMemFree", 13000), false, flush),
+            Substitution::Hook("cuMemFree_v2")
         );
         assert_eq!(
-            substitute(&lookup("cuMemGetInfo", 3020), false),
-            Some("cuMemGetInfo_v2")
+            substitute(&lookup("cuMemGetInfo", 3020), false, flush),
+            Substitution::Hook("cuMemGetInfo_v2")
         );
         // Before 3.2 the driver returns the 32-bit v1 function, which is not hooked.
-        assert_eq!(substitute(&lookup("cuMemAlloc", 3010), false), None);
-        assert_eq!(substitute(&lookup("cuMemAllocManaged", 12000), false), None);
         assert_eq!(
-            substitute(&lookup("cuMemAlloc_v2", 12000), false),
-            None,
+            substitute(&lookup("cuMemAlloc", 3010), false, flush),
+            Substitution::Keep
+        );
+        assert_eq!(
+            substitute(&lookup("cuMemAllocManaged", 12000), false, flush),
+            Substitution::Keep
+        );
+        assert_eq!(
+            substitute(&lookup("cuMemAlloc_v2", 12000), false, flush),
+            Substitution::Keep,
             "base names only"
         );
     }
@@ -147,49 +293,128 @@ mod tests {
     #[test]
     fn get_proc_address_itself_is_handed_out_by_version() {
         assert_eq!(
-            substitute(&lookup("cuGetProcAddress", 11080), false),
-            Some("cuGetProcAddress")
+            substitute(&lookup("cuGetProcAddress", 11080), false, flush),
+            Substitution::Hook("cuGetProcAddress")
         );
         assert_eq!(
-            substitute(&lookup("cuGetProcAddress", 12000), false),
-            Some("cuGetProcAddress_v2")
+            substitute(&lookup("cuGetProcAddress", 12000), false, flush),
+            Substitution::Hook("cuGetProcAddress_v2")
         );
-        assert_eq!(substitute(&lookup("cuGetProcAddress", 11000), false), None);
+        assert_eq!(
+            substitute(&lookup("cuGetProcAddress", 11000), false, flush),
+            Substitution::Keep
+        );
+    }
+
+    fn flush(name: &str) -> bool {
+        HOOKED
+            .iter()
+            .any(|h| h.name == name && h.role == Role::Flush && h.library == Library::Driver)
     }
 
     #[test]
-    fn stream_functions_only_when_the_driver_returned_the_legacy_one() {
+    fn stream_functions_are_handed_out_by_the_address_the_driver_returned() {
         let mut launch = lookup("cuLaunchKernel", 12000);
         assert_eq!(
-            substitute(&launch, true),
-            None,
-            "address not recognised: leave it"
+            substitute(&launch, true, flush),
+            Substitution::Unseen,
+            "address not recognised: a launch the layer cannot see"
+        );
+        assert_eq!(
+            substitute(&launch, false, flush),
+            Substitution::Keep,
+            "without elision nothing is wrapped"
         );
         launch.returned = Some("cuLaunchKernel");
-        assert_eq!(substitute(&launch, true), Some("cuLaunchKernel"));
-        assert_eq!(substitute(&launch, false), None, "not without copy elision");
-        launch.flags = PER_THREAD_DEFAULT_STREAM;
         assert_eq!(
-            substitute(&launch, true),
-            None,
-            "per-thread stream variant: never"
+            substitute(&launch, true, flush),
+            Substitution::Hook("cuLaunchKernel")
+        );
+        // The per-thread lookup returns the _ptsz function: its own hook, never the legacy one.
+        launch.flags = PER_THREAD_DEFAULT_STREAM;
+        launch.returned = Some("cuLaunchKernel_ptsz");
+        assert_eq!(
+            substitute(&launch, true, flush),
+            Substitution::Hook("cuLaunchKernel_ptsz")
         );
         let mut memcpy = lookup("cuMemcpyDtoDAsync", 12000);
         memcpy.returned = Some("cuMemcpyDtoDAsync_v2");
-        assert_eq!(substitute(&memcpy, true), Some("cuMemcpyDtoDAsync_v2"));
+        assert_eq!(
+            substitute(&memcpy, true, flush),
+            Substitution::Hook("cuMemcpyDtoDAsync_v2")
+        );
+        let mut write = lookup("cuStreamWriteValue32", 13000);
+        write.returned = Some("cuStreamWriteValue32_v2_ptsz");
+        assert_eq!(
+            substitute(&write, true, flush),
+            Substitution::Hook("cuStreamWriteValue32_v2_ptsz")
+        );
     }
 
     #[test]
-    fn every_hooked_driver_function_has_a_variant_and_back() {
-        for hooked in HOOKED.iter().filter(|h| h.library == Library::Driver) {
-            let variant = VARIANTS
-                .iter()
-                .find(|v| v.hooked == hooked.name)
-                .unwrap_or_else(|| panic!("{} has no entry-point variant", hooked.name));
+    fn unknown_functions_blind_elision_unless_harmless() {
+        for symbol in [
+            "cuMemCreate",
+            "cuDeviceGetAttribute",
+            "cuModuleGetFunction",
+            "cuStreamCreate",
+        ] {
             assert_eq!(
-                variant.stream_ordered,
-                hooked.role == Role::Flush && hooked.name != "cuCtxSynchronize",
-                "{}",
+                substitute(&lookup(symbol, 12000), true, flush),
+                Substitution::Keep,
+                "{symbol}"
+            );
+        }
+        for symbol in [
+            "cuLaunchGridAsync",
+            "cuGetExportTable",
+            "cuSomethingNewInCuda14",
+            "cuStreamWriteValue32",
+        ] {
+            assert_eq!(
+                substitute(&lookup(symbol, 12000), true, flush),
+                Substitution::Unseen,
+                "{symbol}"
+            );
+        }
+    }
+
+    #[test]
+    fn no_hooked_flush_point_is_on_the_harmless_list() {
+        for hooked in HOOKED.iter().filter(|h| h.role == Role::Flush) {
+            assert!(!harmless(hooked.name), "{}", hooked.name);
+        }
+        // Graph building (nodes, parameters) runs nothing: only launches do.
+        for prefix in HARMLESS_PREFIXES
+            .iter()
+            .filter(|p| !p.starts_with("cuGraph"))
+        {
+            for word in [
+                "Launch",
+                "Memcpy",
+                "Memset",
+                "Synchronize",
+                "Record",
+                "Wait",
+                "Write",
+            ] {
+                assert!(
+                    !prefix.contains(word),
+                    "{prefix} looks like it touches memory"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn every_hooked_memory_function_has_a_variant_and_back() {
+        for hooked in HOOKED
+            .iter()
+            .filter(|h| h.library == Library::Driver && h.role != Role::Flush)
+        {
+            assert!(
+                VARIANTS.iter().any(|v| v.hooked == hooked.name),
+                "{} has no entry-point variant",
                 hooked.name
             );
         }

@@ -18,7 +18,7 @@ use crate::codes::{abi, cu, cuda, Fail};
 use crate::engine::{Copied, CopyCall, Freed};
 use crate::entry;
 use crate::layer::{self, Api, Inside, Route};
-use crate::real::{self, DevicePtr, Dim3, Event, Stream};
+use crate::real::{self, DevicePtr, Dim3, Event, Extent, PitchedPtr, Stream};
 use crate::stats::{bytes_to_write, Counters, StablebufStats};
 use crate::tags;
 
@@ -382,6 +382,108 @@ pub unsafe extern "C" fn cudaMemcpyAsync(
     })
 }
 
+/// The stream a per-thread-default-stream call (`_ptsz`, `_ptds`) means: handle 0 there is the
+/// calling thread's default stream (`cudaStreamPerThread`), not the legacy one.
+fn per_thread_stream(stream: Stream) -> u64 {
+    if stream.is_null() {
+        real::STREAM_PER_THREAD
+    } else {
+        stream as u64
+    }
+}
+
+/// `cudaMemcpy` of a program built with `--default-stream per-thread`.
+#[no_mangle]
+pub unsafe extern "C" fn cudaMemcpy_ptds(
+    dst: *mut c_void,
+    src: *const c_void,
+    count: usize,
+    kind: c_int,
+) -> c_int {
+    guarded("cudaMemcpy_ptds", cuda::UNKNOWN, || {
+        let real = real_runtime!(cudaMemcpy_ptds);
+        let call = CopyCall {
+            dst: dst as u64,
+            src: src as u64,
+            bytes: count,
+            device_to_device: device_to_device(kind),
+            stream: real::STREAM_PER_THREAD,
+            sync: true,
+        };
+        if elided_copy(call, "cudaMemcpy_ptds") {
+            return cuda::SUCCESS;
+        }
+        // SAFETY: the caller's arguments, passed on unchanged.
+        unsafe { real(dst, src, count, kind) }
+    })
+}
+
+/// `cudaMemcpyAsync` of a program built with `--default-stream per-thread`.
+#[no_mangle]
+pub unsafe extern "C" fn cudaMemcpyAsync_ptsz(
+    dst: *mut c_void,
+    src: *const c_void,
+    count: usize,
+    kind: c_int,
+    stream: Stream,
+) -> c_int {
+    guarded("cudaMemcpyAsync_ptsz", cuda::UNKNOWN, || {
+        let real = real_runtime!(cudaMemcpyAsync_ptsz);
+        let call = CopyCall {
+            dst: dst as u64,
+            src: src as u64,
+            bytes: count,
+            device_to_device: device_to_device(kind),
+            stream: per_thread_stream(stream),
+            sync: false,
+        };
+        if elided_copy(call, "cudaMemcpyAsync_ptsz") {
+            return cuda::SUCCESS;
+        }
+        // SAFETY: the caller's arguments, passed on unchanged.
+        unsafe { real(dst, src, count, kind, stream) }
+    })
+}
+
+/// `cudaMallocAsync` of a program built with `--default-stream per-thread`.
+#[no_mangle]
+pub unsafe extern "C" fn cudaMallocAsync_ptsz(
+    ptr: *mut *mut c_void,
+    size: usize,
+    stream: Stream,
+) -> c_int {
+    guarded("cudaMallocAsync_ptsz", cuda::UNKNOWN, || {
+        runtime_alloc(
+            "cudaMallocAsync_ptsz",
+            ptr,
+            size,
+            |p, s| {
+                let real = real_runtime!(cudaMallocAsync_ptsz);
+                // SAFETY: the caller's arguments, passed on unchanged.
+                unsafe { real(p, s, stream) }
+            },
+            Some(per_thread_stream(stream)),
+        )
+    })
+}
+
+/// `cudaFreeAsync` of a program built with `--default-stream per-thread`.
+#[no_mangle]
+pub unsafe extern "C" fn cudaFreeAsync_ptsz(ptr: *mut c_void, stream: Stream) -> c_int {
+    guarded("cudaFreeAsync_ptsz", cuda::UNKNOWN, || {
+        runtime_free(
+            "cudaFreeAsync_ptsz",
+            ptr,
+            Some(per_thread_stream(stream)),
+            || {
+                let real = real_runtime!(cudaFreeAsync_ptsz);
+                // SAFETY: the caller's arguments, passed on unchanged.
+                unsafe { real(ptr, stream) }
+            },
+        )
+    })
+}
+
 // ---- runtime: entry points --------------------------------------------------------------
 
 #[no_mangle]
@@ -430,6 +532,66 @@ pub unsafe extern "C" fn cudaGetDriverEntryPointByVersion(
     })
 }
 
+#[no_mangle]
+pub unsafe extern "C" fn cudaGetDriverEntryPoint_ptsz(
+    symbol: *const c_char,
+    func: *mut *mut c_void,
+    flags: u64,
+    status: *mut c_int,
+) -> c_int {
+    guarded("cudaGetDriverEntryPoint_ptsz", cuda::UNKNOWN, || {
+        let real = real_runtime!(cudaGetDriverEntryPoint_ptsz);
+        let inside = Inside::enter();
+        // SAFETY: the caller's arguments, passed on unchanged.
+        let code = unsafe { real(symbol, func, flags, status) };
+        if code == cuda::SUCCESS && inside.is_some() {
+            // SAFETY: checked for NULL inside; `symbol` is the caller's C string.
+            unsafe {
+                substitute_entry(
+                    symbol,
+                    func,
+                    i32::MAX,
+                    flags | entry::PER_THREAD_DEFAULT_STREAM,
+                )
+            };
+        }
+        code
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cudaGetDriverEntryPointByVersion_ptsz(
+    symbol: *const c_char,
+    func: *mut *mut c_void,
+    version: c_uint,
+    flags: u64,
+    status: *mut c_int,
+) -> c_int {
+    guarded(
+        "cudaGetDriverEntryPointByVersion_ptsz",
+        cuda::UNKNOWN,
+        || {
+            let real = real_runtime!(cudaGetDriverEntryPointByVersion_ptsz);
+            let inside = Inside::enter();
+            // SAFETY: the caller's arguments, passed on unchanged.
+            let code = unsafe { real(symbol, func, version, flags, status) };
+            if code == cuda::SUCCESS && inside.is_some() {
+                let version = i32::try_from(version).unwrap_or(i32::MAX);
+                // SAFETY: checked for NULL inside; `symbol` is the caller's C string.
+                unsafe {
+                    substitute_entry(
+                        symbol,
+                        func,
+                        version,
+                        flags | entry::PER_THREAD_DEFAULT_STREAM,
+                    )
+                };
+            }
+            code
+        },
+    )
+}
+
 /// After a successful lookup: if it resolved to a function the layer hooks, hand out the hook.
 ///
 /// # Safety
@@ -463,19 +625,35 @@ unsafe fn substitute_entry(
         flags,
         returned: real::driver_function_named(found as usize),
     };
-    if let Some(hook) = entry::substitute(&lookup, layer::eliding()).and_then(driver_hook) {
-        if hook == found {
-            return; // already the hook (a nested lookup handed it out)
+    match entry::substitute(&lookup, layer::eliding(), |n| flush_hook(n).is_some()) {
+        entry::Substitution::Keep => {}
+        entry::Substitution::Hook(hooked) => {
+            let Some(hook) = driver_hook(hooked) else {
+                return;
+            };
+            if hook == found {
+                return; // already the hook (a nested lookup handed it out)
+            }
+            // SAFETY: as above; the hook has the prototype of the function it replaces and
+            // calls that very function (same name, same stream semantics).
+            unsafe { *func = hook };
+            Counters::bump(&layer.counters.entry_points);
+            tracing::debug!(
+                symbol = name,
+                hooked,
+                version,
+                flags,
+                "entry point: handing out the layer's hook"
+            );
         }
-        // SAFETY: as above; the hook has the prototype of the function it replaces.
-        unsafe { *func = hook };
-        Counters::bump(&layer.counters.entry_points);
-        tracing::debug!(
-            symbol = name,
-            version,
-            flags,
-            "entry point: handing out the layer's hook"
-        );
+        entry::Substitution::Unseen => {
+            // A function that may touch memory, handed out unwrapped: its calls will not be
+            // flush points, so copy elision can no longer be sure of anything.
+            layer.stop_eliding(&format!(
+                "cuGetProcAddress(\"{name}\", version {version}, flags {flags}) returned a \
+                 driver function the layer does not wrap"
+            ));
+        }
     }
 }
 
@@ -615,18 +793,29 @@ pub unsafe extern "C" fn cuGetProcAddress_v2(
 /// Hooks that perform deferred copies (copy elision), then call the real function with the
 /// caller's arguments unchanged.
 macro_rules! flush_hooks {
-    ($( $lib:ident fn $name:ident($($arg:ident: $ty:ty),* $(,)?); )*) => {$(
-        #[no_mangle]
-        pub unsafe extern "C" fn $name($($arg: $ty),*) -> c_int {
-            guarded(stringify!($name), flush_hooks!(@unknown $lib), || {
-                let real = flush_hooks!(@real $lib $name);
-                flush_point(stringify!($name));
-                // SAFETY: the caller's arguments, passed unchanged to the real function of
-                // the same prototype.
-                unsafe { real($($arg),*) }
-            })
+    ($( $lib:ident fn $name:ident($($arg:ident: $ty:ty),* $(,)?); )*) => {
+        $(
+            #[no_mangle]
+            pub unsafe extern "C" fn $name($($arg: $ty),*) -> c_int {
+                guarded(stringify!($name), flush_hooks!(@unknown $lib), || {
+                    let real = flush_hooks!(@real $lib $name);
+                    flush_point(stringify!($name));
+                    // SAFETY: the caller's arguments, passed unchanged to the real function
+                    // of the same prototype.
+                    unsafe { real($($arg),*) }
+                })
+            }
+        )*
+
+        /// The flush-point hook named `name`, as a pointer to hand out from lookups.
+        fn flush_hook(name: &str) -> Option<*mut c_void> {
+            let address: usize = match name {
+                $( stringify!($name) => $name as *const () as usize, )*
+                _ => return None,
+            };
+            Some(address as *mut c_void)
         }
-    )*};
+    };
     (@unknown runtime) => { cuda::UNKNOWN };
     (@unknown driver) => { cu::UNKNOWN };
     (@real runtime $name:ident) => { real_runtime!($name) };
@@ -677,6 +866,181 @@ flush_hooks! {
     driver fn cuMemsetD32Async(dst: DevicePtr, value: c_uint, count: usize, stream: Stream);
     driver fn cuStreamSynchronize(stream: Stream);
     driver fn cuCtxSynchronize();
+    // CUDA 13's other entry points that may touch memory, with their per-thread-stream
+    // variants (generated by tools/gen_hooks.py from cuda.h and cuda_runtime_api.h).
+    runtime fn __cudaLaunchKernel(kernel: *mut c_void, grid_dim: Dim3, block_dim: Dim3, args: *mut c_void, shared_mem: usize, stream: *mut c_void);
+    runtime fn __cudaLaunchKernel_ptsz(kernel: *mut c_void, grid_dim: Dim3, block_dim: Dim3, args: *mut c_void, shared_mem: usize, stream: *mut c_void);
+    runtime fn cudaLaunchKernel_ptsz(func: *mut c_void, grid_dim: Dim3, block_dim: Dim3, args: *mut c_void, shared_mem: usize, stream: *mut c_void);
+    runtime fn cudaLaunchKernelExC_ptsz(config: *mut c_void, func: *mut c_void, args: *mut c_void);
+    runtime fn cudaLaunchCooperativeKernel_ptsz(func: *mut c_void, grid_dim: Dim3, block_dim: Dim3, args: *mut c_void, shared_mem: usize, stream: *mut c_void);
+    runtime fn cudaLaunchHostFunc_ptsz(stream: *mut c_void, func: *mut c_void, user_data: *mut c_void);
+    runtime fn cudaGraphLaunch_ptsz(graph_exec: *mut c_void, stream: *mut c_void);
+    runtime fn cudaMemsetAsync_ptsz(dev_ptr: *mut c_void, value: c_int, count: usize, stream: *mut c_void);
+    runtime fn cudaMemset2DAsync_ptsz(dev_ptr: *mut c_void, pitch: usize, value: c_int, width: usize, height: usize, stream: *mut c_void);
+    runtime fn cudaMemcpy2DAsync_ptsz(dst: *mut c_void, dpitch: usize, src: *mut c_void, spitch: usize, width: usize, height: usize, kind: c_int, stream: *mut c_void);
+    runtime fn cudaMemcpy3DAsync_ptsz(p: *mut c_void, stream: *mut c_void);
+    runtime fn cudaStreamSynchronize_ptsz(stream: *mut c_void);
+    runtime fn cudaStreamQuery_ptsz(stream: *mut c_void);
+    runtime fn cudaStreamWaitEvent_ptsz(stream: *mut c_void, event: *mut c_void, flags: c_uint);
+    runtime fn cudaStreamBeginCapture_ptsz(stream: *mut c_void, mode: c_int);
+    runtime fn cudaEventRecord_ptsz(event: *mut c_void, stream: *mut c_void);
+    runtime fn cudaMemset_ptds(dev_ptr: *mut c_void, value: c_int, count: usize);
+    runtime fn cudaMemset2D_ptds(dev_ptr: *mut c_void, pitch: usize, value: c_int, width: usize, height: usize);
+    runtime fn cudaMemcpy2D_ptds(dst: *mut c_void, dpitch: usize, src: *mut c_void, spitch: usize, width: usize, height: usize, kind: c_int);
+    runtime fn cudaMemcpy3D_ptds(p: *mut c_void);
+    runtime fn cudaMemcpyToSymbol_ptds(symbol: *mut c_void, src: *mut c_void, count: usize, offset: usize, kind: c_int);
+    runtime fn cudaMemcpyFromSymbol_ptds(dst: *mut c_void, symbol: *mut c_void, count: usize, offset: usize, kind: c_int);
+    runtime fn cudaMemset3DAsync(pitched_dev_ptr: PitchedPtr, value: c_int, extent: Extent, stream: *mut c_void);
+    runtime fn cudaMemset3DAsync_ptsz(pitched_dev_ptr: PitchedPtr, value: c_int, extent: Extent, stream: *mut c_void);
+    runtime fn cudaMemcpy3DPeerAsync(p: *mut c_void, stream: *mut c_void);
+    runtime fn cudaMemcpy3DPeerAsync_ptsz(p: *mut c_void, stream: *mut c_void);
+    runtime fn cudaMemcpy2DToArrayAsync(dst: *mut c_void, w_offset: usize, h_offset: usize, src: *mut c_void, spitch: usize, width: usize, height: usize, kind: c_int, stream: *mut c_void);
+    runtime fn cudaMemcpy2DToArrayAsync_ptsz(dst: *mut c_void, w_offset: usize, h_offset: usize, src: *mut c_void, spitch: usize, width: usize, height: usize, kind: c_int, stream: *mut c_void);
+    runtime fn cudaMemcpy2DFromArrayAsync(dst: *mut c_void, dpitch: usize, src: *mut c_void, w_offset: usize, h_offset: usize, width: usize, height: usize, kind: c_int, stream: *mut c_void);
+    runtime fn cudaMemcpy2DFromArrayAsync_ptsz(dst: *mut c_void, dpitch: usize, src: *mut c_void, w_offset: usize, h_offset: usize, width: usize, height: usize, kind: c_int, stream: *mut c_void);
+    runtime fn cudaMemcpyToArrayAsync(dst: *mut c_void, w_offset: usize, h_offset: usize, src: *mut c_void, count: usize, kind: c_int, stream: *mut c_void);
+    runtime fn cudaMemcpyToArrayAsync_ptsz(dst: *mut c_void, w_offset: usize, h_offset: usize, src: *mut c_void, count: usize, kind: c_int, stream: *mut c_void);
+    runtime fn cudaMemcpyFromArrayAsync(dst: *mut c_void, src: *mut c_void, w_offset: usize, h_offset: usize, count: usize, kind: c_int, stream: *mut c_void);
+    runtime fn cudaMemcpyFromArrayAsync_ptsz(dst: *mut c_void, src: *mut c_void, w_offset: usize, h_offset: usize, count: usize, kind: c_int, stream: *mut c_void);
+    runtime fn cudaMemcpyToSymbolAsync(symbol: *mut c_void, src: *mut c_void, count: usize, offset: usize, kind: c_int, stream: *mut c_void);
+    runtime fn cudaMemcpyToSymbolAsync_ptsz(symbol: *mut c_void, src: *mut c_void, count: usize, offset: usize, kind: c_int, stream: *mut c_void);
+    runtime fn cudaMemcpyFromSymbolAsync(dst: *mut c_void, symbol: *mut c_void, count: usize, offset: usize, kind: c_int, stream: *mut c_void);
+    runtime fn cudaMemcpyFromSymbolAsync_ptsz(dst: *mut c_void, symbol: *mut c_void, count: usize, offset: usize, kind: c_int, stream: *mut c_void);
+    runtime fn cudaMemcpyBatchAsync(dsts: *mut c_void, srcs: *mut c_void, sizes: *mut c_void, count: usize, attrs: *mut c_void, attrs_idxs: *mut c_void, num_attrs: usize, stream: *mut c_void);
+    runtime fn cudaMemcpyBatchAsync_ptsz(dsts: *mut c_void, srcs: *mut c_void, sizes: *mut c_void, count: usize, attrs: *mut c_void, attrs_idxs: *mut c_void, num_attrs: usize, stream: *mut c_void);
+    runtime fn cudaMemcpy3DBatchAsync(num_ops: usize, op_list: *mut c_void, flags: u64, stream: *mut c_void);
+    runtime fn cudaMemcpy3DBatchAsync_ptsz(num_ops: usize, op_list: *mut c_void, flags: u64, stream: *mut c_void);
+    runtime fn cudaEventRecordWithFlags(event: *mut c_void, stream: *mut c_void, flags: c_uint);
+    runtime fn cudaEventRecordWithFlags_ptsz(event: *mut c_void, stream: *mut c_void, flags: c_uint);
+    runtime fn cudaStreamAddCallback(stream: *mut c_void, callback: *mut c_void, user_data: *mut c_void, flags: c_uint);
+    runtime fn cudaStreamAddCallback_ptsz(stream: *mut c_void, callback: *mut c_void, user_data: *mut c_void, flags: c_uint);
+    runtime fn cudaStreamBeginCaptureToGraph(stream: *mut c_void, graph: *mut c_void, dependencies: *mut c_void, dependency_data: *mut c_void, num_dependencies: usize, mode: c_int);
+    runtime fn cudaStreamBeginCaptureToGraph_ptsz(stream: *mut c_void, graph: *mut c_void, dependencies: *mut c_void, dependency_data: *mut c_void, num_dependencies: usize, mode: c_int);
+    runtime fn cudaSignalExternalSemaphoresAsync(ext_sem_array: *mut c_void, params_array: *mut c_void, num_ext_sems: c_uint, stream: *mut c_void);
+    runtime fn cudaSignalExternalSemaphoresAsync_ptsz(ext_sem_array: *mut c_void, params_array: *mut c_void, num_ext_sems: c_uint, stream: *mut c_void);
+    runtime fn cudaWaitExternalSemaphoresAsync(ext_sem_array: *mut c_void, params_array: *mut c_void, num_ext_sems: c_uint, stream: *mut c_void);
+    runtime fn cudaWaitExternalSemaphoresAsync_ptsz(ext_sem_array: *mut c_void, params_array: *mut c_void, num_ext_sems: c_uint, stream: *mut c_void);
+    runtime fn cudaMemset3D(pitched_dev_ptr: PitchedPtr, value: c_int, extent: Extent);
+    runtime fn cudaMemset3D_ptds(pitched_dev_ptr: PitchedPtr, value: c_int, extent: Extent);
+    runtime fn cudaMemcpy3DPeer(p: *mut c_void);
+    runtime fn cudaMemcpy3DPeer_ptds(p: *mut c_void);
+    runtime fn cudaMemcpy2DToArray(dst: *mut c_void, w_offset: usize, h_offset: usize, src: *mut c_void, spitch: usize, width: usize, height: usize, kind: c_int);
+    runtime fn cudaMemcpy2DToArray_ptds(dst: *mut c_void, w_offset: usize, h_offset: usize, src: *mut c_void, spitch: usize, width: usize, height: usize, kind: c_int);
+    runtime fn cudaMemcpy2DFromArray(dst: *mut c_void, dpitch: usize, src: *mut c_void, w_offset: usize, h_offset: usize, width: usize, height: usize, kind: c_int);
+    runtime fn cudaMemcpy2DFromArray_ptds(dst: *mut c_void, dpitch: usize, src: *mut c_void, w_offset: usize, h_offset: usize, width: usize, height: usize, kind: c_int);
+    runtime fn cudaMemcpy2DArrayToArray(dst: *mut c_void, w_offset_dst: usize, h_offset_dst: usize, src: *mut c_void, w_offset_src: usize, h_offset_src: usize, width: usize, height: usize, kind: c_int);
+    runtime fn cudaMemcpy2DArrayToArray_ptds(dst: *mut c_void, w_offset_dst: usize, h_offset_dst: usize, src: *mut c_void, w_offset_src: usize, h_offset_src: usize, width: usize, height: usize, kind: c_int);
+    runtime fn cudaMemcpyToArray(dst: *mut c_void, w_offset: usize, h_offset: usize, src: *mut c_void, count: usize, kind: c_int);
+    runtime fn cudaMemcpyToArray_ptds(dst: *mut c_void, w_offset: usize, h_offset: usize, src: *mut c_void, count: usize, kind: c_int);
+    runtime fn cudaMemcpyFromArray(dst: *mut c_void, src: *mut c_void, w_offset: usize, h_offset: usize, count: usize, kind: c_int);
+    runtime fn cudaMemcpyFromArray_ptds(dst: *mut c_void, src: *mut c_void, w_offset: usize, h_offset: usize, count: usize, kind: c_int);
+    runtime fn cudaMemcpyArrayToArray(dst: *mut c_void, w_offset_dst: usize, h_offset_dst: usize, src: *mut c_void, w_offset_src: usize, h_offset_src: usize, count: usize, kind: c_int);
+    runtime fn cudaMemcpyArrayToArray_ptds(dst: *mut c_void, w_offset_dst: usize, h_offset_dst: usize, src: *mut c_void, w_offset_src: usize, h_offset_src: usize, count: usize, kind: c_int);
+    driver fn cuLaunchKernel_ptsz(f: *mut c_void, grid_dim_x: c_uint, grid_dim_y: c_uint, grid_dim_z: c_uint, block_dim_x: c_uint, block_dim_y: c_uint, block_dim_z: c_uint, shared_mem_bytes: c_uint, h_stream: *mut c_void, kernel_params: *mut c_void, extra: *mut c_void);
+    driver fn cuLaunchKernelEx_ptsz(config: *mut c_void, f: *mut c_void, kernel_params: *mut c_void, extra: *mut c_void);
+    driver fn cuLaunchCooperativeKernel_ptsz(f: *mut c_void, grid_dim_x: c_uint, grid_dim_y: c_uint, grid_dim_z: c_uint, block_dim_x: c_uint, block_dim_y: c_uint, block_dim_z: c_uint, shared_mem_bytes: c_uint, h_stream: *mut c_void, kernel_params: *mut c_void);
+    driver fn cuGraphLaunch_ptsz(h_graph_exec: *mut c_void, h_stream: *mut c_void);
+    driver fn cuMemcpyAsync_ptsz(dst: DevicePtr, src: DevicePtr, byte_count: usize, h_stream: *mut c_void);
+    driver fn cuMemcpyDtoDAsync_v2_ptsz(dst_device: DevicePtr, src_device: DevicePtr, byte_count: usize, h_stream: *mut c_void);
+    driver fn cuMemcpyHtoDAsync_v2_ptsz(dst_device: DevicePtr, src_host: *mut c_void, byte_count: usize, h_stream: *mut c_void);
+    driver fn cuMemcpyDtoHAsync_v2_ptsz(dst_host: *mut c_void, src_device: DevicePtr, byte_count: usize, h_stream: *mut c_void);
+    driver fn cuMemsetD8Async_ptsz(dst_device: DevicePtr, uc: u8, n: usize, h_stream: *mut c_void);
+    driver fn cuMemsetD32Async_ptsz(dst_device: DevicePtr, ui: c_uint, n: usize, h_stream: *mut c_void);
+    driver fn cuStreamSynchronize_ptsz(h_stream: *mut c_void);
+    driver fn cuMemcpy_ptds(dst: DevicePtr, src: DevicePtr, byte_count: usize);
+    driver fn cuMemcpyDtoD_v2_ptds(dst_device: DevicePtr, src_device: DevicePtr, byte_count: usize);
+    driver fn cuMemcpyHtoD_v2_ptds(dst_device: DevicePtr, src_host: *mut c_void, byte_count: usize);
+    driver fn cuMemcpyDtoH_v2_ptds(dst_host: *mut c_void, src_device: DevicePtr, byte_count: usize);
+    driver fn cuMemsetD8_v2_ptds(dst_device: DevicePtr, uc: u8, n: usize);
+    driver fn cuMemsetD32_v2_ptds(dst_device: DevicePtr, ui: c_uint, n: usize);
+    driver fn cuLaunchHostFunc(h_stream: *mut c_void, func: *mut c_void, user_data: *mut c_void);
+    driver fn cuLaunchHostFunc_ptsz(h_stream: *mut c_void, func: *mut c_void, user_data: *mut c_void);
+    driver fn cuMemcpyPeerAsync(dst_device: DevicePtr, dst_context: *mut c_void, src_device: DevicePtr, src_context: *mut c_void, byte_count: usize, h_stream: *mut c_void);
+    driver fn cuMemcpyPeerAsync_ptsz(dst_device: DevicePtr, dst_context: *mut c_void, src_device: DevicePtr, src_context: *mut c_void, byte_count: usize, h_stream: *mut c_void);
+    driver fn cuMemcpyHtoAAsync_v2(dst_array: *mut c_void, dst_offset: usize, src_host: *mut c_void, byte_count: usize, h_stream: *mut c_void);
+    driver fn cuMemcpyHtoAAsync_v2_ptsz(dst_array: *mut c_void, dst_offset: usize, src_host: *mut c_void, byte_count: usize, h_stream: *mut c_void);
+    driver fn cuMemcpyAtoHAsync_v2(dst_host: *mut c_void, src_array: *mut c_void, src_offset: usize, byte_count: usize, h_stream: *mut c_void);
+    driver fn cuMemcpyAtoHAsync_v2_ptsz(dst_host: *mut c_void, src_array: *mut c_void, src_offset: usize, byte_count: usize, h_stream: *mut c_void);
+    driver fn cuMemcpy2DAsync_v2(p_copy: *mut c_void, h_stream: *mut c_void);
+    driver fn cuMemcpy2DAsync_v2_ptsz(p_copy: *mut c_void, h_stream: *mut c_void);
+    driver fn cuMemcpy3DAsync_v2(p_copy: *mut c_void, h_stream: *mut c_void);
+    driver fn cuMemcpy3DAsync_v2_ptsz(p_copy: *mut c_void, h_stream: *mut c_void);
+    driver fn cuMemcpy3DPeerAsync(p_copy: *mut c_void, h_stream: *mut c_void);
+    driver fn cuMemcpy3DPeerAsync_ptsz(p_copy: *mut c_void, h_stream: *mut c_void);
+    driver fn cuMemcpyBatchAsync_v2(dsts: *mut c_void, srcs: *mut c_void, sizes: *mut c_void, count: usize, attrs: *mut c_void, attrs_idxs: *mut c_void, num_attrs: usize, h_stream: *mut c_void);
+    driver fn cuMemcpyBatchAsync_v2_ptsz(dsts: *mut c_void, srcs: *mut c_void, sizes: *mut c_void, count: usize, attrs: *mut c_void, attrs_idxs: *mut c_void, num_attrs: usize, h_stream: *mut c_void);
+    driver fn cuMemcpy3DBatchAsync_v2(num_ops: usize, op_list: *mut c_void, flags: u64, h_stream: *mut c_void);
+    driver fn cuMemcpy3DBatchAsync_v2_ptsz(num_ops: usize, op_list: *mut c_void, flags: u64, h_stream: *mut c_void);
+    driver fn cuMemsetD16Async(dst_device: DevicePtr, us: u16, n: usize, h_stream: *mut c_void);
+    driver fn cuMemsetD16Async_ptsz(dst_device: DevicePtr, us: u16, n: usize, h_stream: *mut c_void);
+    driver fn cuMemsetD2D8Async(dst_device: DevicePtr, dst_pitch: usize, uc: u8, width: usize, height: usize, h_stream: *mut c_void);
+    driver fn cuMemsetD2D8Async_ptsz(dst_device: DevicePtr, dst_pitch: usize, uc: u8, width: usize, height: usize, h_stream: *mut c_void);
+    driver fn cuMemsetD2D16Async(dst_device: DevicePtr, dst_pitch: usize, us: u16, width: usize, height: usize, h_stream: *mut c_void);
+    driver fn cuMemsetD2D16Async_ptsz(dst_device: DevicePtr, dst_pitch: usize, us: u16, width: usize, height: usize, h_stream: *mut c_void);
+    driver fn cuMemsetD2D32Async(dst_device: DevicePtr, dst_pitch: usize, ui: c_uint, width: usize, height: usize, h_stream: *mut c_void);
+    driver fn cuMemsetD2D32Async_ptsz(dst_device: DevicePtr, dst_pitch: usize, ui: c_uint, width: usize, height: usize, h_stream: *mut c_void);
+    driver fn cuStreamWriteValue32_v2(stream: *mut c_void, addr: DevicePtr, value: u32, flags: c_uint);
+    driver fn cuStreamWriteValue32_v2_ptsz(stream: *mut c_void, addr: DevicePtr, value: u32, flags: c_uint);
+    driver fn cuStreamWriteValue64_v2(stream: *mut c_void, addr: DevicePtr, value: u64, flags: c_uint);
+    driver fn cuStreamWriteValue64_v2_ptsz(stream: *mut c_void, addr: DevicePtr, value: u64, flags: c_uint);
+    driver fn cuStreamWaitValue32_v2(stream: *mut c_void, addr: DevicePtr, value: u32, flags: c_uint);
+    driver fn cuStreamWaitValue32_v2_ptsz(stream: *mut c_void, addr: DevicePtr, value: u32, flags: c_uint);
+    driver fn cuStreamWaitValue64_v2(stream: *mut c_void, addr: DevicePtr, value: u64, flags: c_uint);
+    driver fn cuStreamWaitValue64_v2_ptsz(stream: *mut c_void, addr: DevicePtr, value: u64, flags: c_uint);
+    driver fn cuStreamBatchMemOp_v2(stream: *mut c_void, count: c_uint, param_array: *mut c_void, flags: c_uint);
+    driver fn cuStreamBatchMemOp_v2_ptsz(stream: *mut c_void, count: c_uint, param_array: *mut c_void, flags: c_uint);
+    driver fn cuStreamQuery(h_stream: *mut c_void);
+    driver fn cuStreamQuery_ptsz(h_stream: *mut c_void);
+    driver fn cuStreamWaitEvent(h_stream: *mut c_void, h_event: *mut c_void, flags: c_uint);
+    driver fn cuStreamWaitEvent_ptsz(h_stream: *mut c_void, h_event: *mut c_void, flags: c_uint);
+    driver fn cuEventRecord(h_event: *mut c_void, h_stream: *mut c_void);
+    driver fn cuEventRecord_ptsz(h_event: *mut c_void, h_stream: *mut c_void);
+    driver fn cuEventRecordWithFlags(h_event: *mut c_void, h_stream: *mut c_void, flags: c_uint);
+    driver fn cuEventRecordWithFlags_ptsz(h_event: *mut c_void, h_stream: *mut c_void, flags: c_uint);
+    driver fn cuStreamAddCallback(h_stream: *mut c_void, callback: *mut c_void, user_data: *mut c_void, flags: c_uint);
+    driver fn cuStreamAddCallback_ptsz(h_stream: *mut c_void, callback: *mut c_void, user_data: *mut c_void, flags: c_uint);
+    driver fn cuStreamBeginCapture_v2(h_stream: *mut c_void, mode: c_int);
+    driver fn cuStreamBeginCapture_v2_ptsz(h_stream: *mut c_void, mode: c_int);
+    driver fn cuStreamBeginCaptureToGraph(h_stream: *mut c_void, h_graph: *mut c_void, dependencies: *mut c_void, dependency_data: *mut c_void, num_dependencies: usize, mode: c_int);
+    driver fn cuStreamBeginCaptureToGraph_ptsz(h_stream: *mut c_void, h_graph: *mut c_void, dependencies: *mut c_void, dependency_data: *mut c_void, num_dependencies: usize, mode: c_int);
+    driver fn cuSignalExternalSemaphoresAsync(ext_sem_array: *mut c_void, params_array: *mut c_void, num_ext_sems: c_uint, stream: *mut c_void);
+    driver fn cuSignalExternalSemaphoresAsync_ptsz(ext_sem_array: *mut c_void, params_array: *mut c_void, num_ext_sems: c_uint, stream: *mut c_void);
+    driver fn cuWaitExternalSemaphoresAsync(ext_sem_array: *mut c_void, params_array: *mut c_void, num_ext_sems: c_uint, stream: *mut c_void);
+    driver fn cuWaitExternalSemaphoresAsync_ptsz(ext_sem_array: *mut c_void, params_array: *mut c_void, num_ext_sems: c_uint, stream: *mut c_void);
+    driver fn cuMemBatchDecompressAsync(params_array: *mut c_void, count: usize, flags: c_uint, error_index: *mut c_void, stream: *mut c_void);
+    driver fn cuMemBatchDecompressAsync_ptsz(params_array: *mut c_void, count: usize, flags: c_uint, error_index: *mut c_void, stream: *mut c_void);
+    driver fn cuMemcpyPeer(dst_device: DevicePtr, dst_context: *mut c_void, src_device: DevicePtr, src_context: *mut c_void, byte_count: usize);
+    driver fn cuMemcpyPeer_ptds(dst_device: DevicePtr, dst_context: *mut c_void, src_device: DevicePtr, src_context: *mut c_void, byte_count: usize);
+    driver fn cuMemcpyDtoA_v2(dst_array: *mut c_void, dst_offset: usize, src_device: DevicePtr, byte_count: usize);
+    driver fn cuMemcpyDtoA_v2_ptds(dst_array: *mut c_void, dst_offset: usize, src_device: DevicePtr, byte_count: usize);
+    driver fn cuMemcpyAtoD_v2(dst_device: DevicePtr, src_array: *mut c_void, src_offset: usize, byte_count: usize);
+    driver fn cuMemcpyAtoD_v2_ptds(dst_device: DevicePtr, src_array: *mut c_void, src_offset: usize, byte_count: usize);
+    driver fn cuMemcpyHtoA_v2(dst_array: *mut c_void, dst_offset: usize, src_host: *mut c_void, byte_count: usize);
+    driver fn cuMemcpyHtoA_v2_ptds(dst_array: *mut c_void, dst_offset: usize, src_host: *mut c_void, byte_count: usize);
+    driver fn cuMemcpyAtoH_v2(dst_host: *mut c_void, src_array: *mut c_void, src_offset: usize, byte_count: usize);
+    driver fn cuMemcpyAtoH_v2_ptds(dst_host: *mut c_void, src_array: *mut c_void, src_offset: usize, byte_count: usize);
+    driver fn cuMemcpyAtoA_v2(dst_array: *mut c_void, dst_offset: usize, src_array: *mut c_void, src_offset: usize, byte_count: usize);
+    driver fn cuMemcpyAtoA_v2_ptds(dst_array: *mut c_void, dst_offset: usize, src_array: *mut c_void, src_offset: usize, byte_count: usize);
+    driver fn cuMemcpy2D_v2(p_copy: *mut c_void);
+    driver fn cuMemcpy2D_v2_ptds(p_copy: *mut c_void);
+    driver fn cuMemcpy2DUnaligned_v2(p_copy: *mut c_void);
+    driver fn cuMemcpy2DUnaligned_v2_ptds(p_copy: *mut c_void);
+    driver fn cuMemcpy3D_v2(p_copy: *mut c_void);
+    driver fn cuMemcpy3D_v2_ptds(p_copy: *mut c_void);
+    driver fn cuMemcpy3DPeer(p_copy: *mut c_void);
+    driver fn cuMemcpy3DPeer_ptds(p_copy: *mut c_void);
+    driver fn cuMemsetD16_v2(dst_device: DevicePtr, us: u16, n: usize);
+    driver fn cuMemsetD16_v2_ptds(dst_device: DevicePtr, us: u16, n: usize);
+    driver fn cuMemsetD2D8_v2(dst_device: DevicePtr, dst_pitch: usize, uc: u8, width: usize, height: usize);
+    driver fn cuMemsetD2D8_v2_ptds(dst_device: DevicePtr, dst_pitch: usize, uc: u8, width: usize, height: usize);
+    driver fn cuMemsetD2D16_v2(dst_device: DevicePtr, dst_pitch: usize, us: u16, width: usize, height: usize);
+    driver fn cuMemsetD2D16_v2_ptds(dst_device: DevicePtr, dst_pitch: usize, us: u16, width: usize, height: usize);
+    driver fn cuMemsetD2D32_v2(dst_device: DevicePtr, dst_pitch: usize, ui: c_uint, width: usize, height: usize);
+    driver fn cuMemsetD2D32_v2_ptds(dst_device: DevicePtr, dst_pitch: usize, ui: c_uint, width: usize, height: usize);
+    driver fn cuEventSynchronize(h_event: *mut c_void);
+    driver fn cuEventQuery(h_event: *mut c_void);
+    driver fn cuCtxSynchronize_v2(ctx: *mut c_void);
+    driver fn cuLaunchCooperativeKernelMultiDevice(launch_params_list: *mut c_void, num_devices: c_uint, flags: c_uint);
 }
 
 /// The layer's hook for a hooked driver function, as a pointer to hand out from lookups.
@@ -687,24 +1051,7 @@ fn driver_hook(name: &str) -> Option<*mut c_void> {
         "cuMemGetInfo_v2" => cuMemGetInfo_v2 as *const () as usize,
         "cuGetProcAddress" => cuGetProcAddress as *const () as usize,
         "cuGetProcAddress_v2" => cuGetProcAddress_v2 as *const () as usize,
-        "cuLaunchKernel" => cuLaunchKernel as *const () as usize,
-        "cuLaunchKernelEx" => cuLaunchKernelEx as *const () as usize,
-        "cuLaunchCooperativeKernel" => cuLaunchCooperativeKernel as *const () as usize,
-        "cuGraphLaunch" => cuGraphLaunch as *const () as usize,
-        "cuMemcpy" => cuMemcpy as *const () as usize,
-        "cuMemcpyAsync" => cuMemcpyAsync as *const () as usize,
-        "cuMemcpyDtoD_v2" => cuMemcpyDtoD_v2 as *const () as usize,
-        "cuMemcpyDtoDAsync_v2" => cuMemcpyDtoDAsync_v2 as *const () as usize,
-        "cuMemcpyHtoD_v2" => cuMemcpyHtoD_v2 as *const () as usize,
-        "cuMemcpyHtoDAsync_v2" => cuMemcpyHtoDAsync_v2 as *const () as usize,
-        "cuMemcpyDtoH_v2" => cuMemcpyDtoH_v2 as *const () as usize,
-        "cuMemcpyDtoHAsync_v2" => cuMemcpyDtoHAsync_v2 as *const () as usize,
-        "cuMemsetD8_v2" => cuMemsetD8_v2 as *const () as usize,
-        "cuMemsetD32_v2" => cuMemsetD32_v2 as *const () as usize,
-        "cuMemsetD8Async" => cuMemsetD8Async as *const () as usize,
-        "cuMemsetD32Async" => cuMemsetD32Async as *const () as usize,
-        "cuStreamSynchronize" => cuStreamSynchronize as *const () as usize,
-        "cuCtxSynchronize" => cuCtxSynchronize as *const () as usize,
+        _ if name.starts_with("cu") && !name.starts_with("cuda") => return flush_hook(name),
         _ => return None,
     };
     Some(address as *mut c_void)
@@ -860,6 +1207,7 @@ mod tests {
             .filter_map(|rest| rest.split('(').next())
             .filter(|name| {
                 name.starts_with("cuda")
+                    || name.starts_with("__cuda")
                     || name.starts_with("stablebuf_")
                     || (name.starts_with("cu")
                         && name[2..].starts_with(|c: char| c.is_ascii_uppercase()))

@@ -301,7 +301,48 @@ impl Layer {
     pub fn copy(&self, engine: &Engine<GpuDevice>, call: CopyCall) -> Result<Copied, Fail> {
         let _busy = Busy::new(&self.busy);
         let _context = real::ContextGuard::save();
+        if call.device_to_device && !engine.unsure() {
+            if let Some((path, fragment)) = real::unseen_launcher_loaded() {
+                self.stop_eliding_with(
+                    engine,
+                    &format!(
+                        "{path} is loaded ({fragment}*: a library that launches GPU work \
+                         the layer cannot see)"
+                    ),
+                );
+            }
+        }
         engine.copy(call)
+    }
+
+    /// Copy elision stops for good: pending copies are performed now, none is deferred
+    /// again. Said once on stderr (with the reason), whatever the log filter.
+    pub fn stop_eliding(&self, why: &str) {
+        let Some(engine) = &self.engine else {
+            return;
+        };
+        if !engine.eliding() || engine.unsure() {
+            return;
+        }
+        let _busy = Busy::new(&self.busy);
+        let _context = real::ContextGuard::save();
+        self.stop_eliding_with(engine, why);
+    }
+
+    fn stop_eliding_with(&self, engine: &Engine<GpuDevice>, why: &str) {
+        match engine.stop_eliding() {
+            Ok(true) => notice_once(
+                "elision-off",
+                &format!(
+                    "stablebuf-preload: copy elision is off from now on (copies are performed): \
+                     {why}"
+                ),
+            ),
+            Ok(false) => {}
+            Err(fail) => {
+                tracing::error!(%fail, "performing deferred copies when stopping elision failed")
+            }
+        }
     }
 
     /// A flush point: performs deferred copies. Failures are logged (the call itself goes on).

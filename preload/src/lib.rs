@@ -22,7 +22,7 @@
 //! ## Modules
 //! Pure logic, tested on the CPU: [`env`](mod@env) (variables, help), [`codes`] (error codes of each
 //! ABI), [`table`] (pointer ownership), [`tags`] (per-thread tag, tag book), [`elide`] (copy
-//! elision state machine), [`entry`] (driver entry-point substitution), [`monitor`] (records,
+//! elision state machine), [`entry`] (driver entry-point substitution), [`unseen`] (libraries that launch unseen), [`monitor`] (records,
 //! timeline), [`stats`], and [`engine`] (vmm's logic over a [`device::Device`]).
 //! The GPU side: [`gpu`] (stablebuf pool and regions), `layer` (the process-wide state).
 //! `unsafe` lives only in `real` (finding the real CUDA functions) and `ffi` (the exports).
@@ -46,3 +46,4 @@ pub mod stats;
 pub mod symbols;
 pub mod table;
 pub mod tags;
+pub mod unseen;
