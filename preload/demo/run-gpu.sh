@@ -6,7 +6,7 @@
 # <wheel-dir> holds torch_memory_saver-0.0.10-*.whl for the side-by-side comparison (installed
 # into /tmp/site); without it that comparison is skipped. Logs, timelines (SVG) and JSON go to
 # $OUT if set, else to a fresh directory under /tmp. Needs nvcc (CUDA 13), a GPU, and a Python
-# with PyTorch ($PYTHON, default /opt/torch/.venv/bin/python, else python3). No Rust, no network.
+# with PyTorch ($PYTHON, else python3). No Rust, no network.
 #
 # Steps (each with a time limit; a failure prints the log's tail):
 #   build         seed_scenarios.cu with nvcc -cudart shared (a statically linked runtime cannot
@@ -36,13 +36,7 @@ mkdir -p "$OUTDIR"
 OUTDIR=$(cd "$OUTDIR" && pwd)
 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 NVCC=$(command -v nvcc || echo "$CUDA_HOME/bin/nvcc")
-if [ -n "${PYTHON:-}" ]; then
-    PY=$PYTHON
-elif [ -x /opt/torch/.venv/bin/python ]; then
-    PY=/opt/torch/.venv/bin/python
-else
-    PY=python3
-fi
+PY=${PYTHON:-python3}
 SEED="$OUTDIR/seed_scenarios"
 # The demo binary finds libcudart.so.13 in the toolkit (it is built with -cudart shared).
 SEED_LIBS="$CUDA_HOME/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
