@@ -310,6 +310,24 @@ fn problems_in(repo: &Repo, readme: &str, markdown: &str) -> Vec<String> {
             if program == "cargo" {
                 check_cargo(repo, tokens, &mut found);
             }
+            // `python -m stablebuf...`: the package's module must exist.
+            if ["python", "python3"].contains(&program.as_str()) {
+                if let Some(module) = tokens
+                    .iter()
+                    .position(|t| t == "-m")
+                    .and_then(|at| tokens.get(at + 1))
+                    .filter(|m| m.starts_with("stablebuf"))
+                {
+                    let path = module.replace('.', "/");
+                    let main = format!("python/{path}/__main__.py");
+                    let single = format!("python/{path}.py");
+                    if repo.find(readme_dir, &main).is_none()
+                        && repo.find(readme_dir, &single).is_none()
+                    {
+                        found.push(format!("`python -m {module}`: no {main} or {single}"));
+                    }
+                }
+            }
             // A script of the repository run with flags: its text must handle each of them.
             // `.bundle/run` is written by scripts/gpu-bundle.
             let script = if program == ".bundle/run" {
@@ -416,7 +434,9 @@ cargo test --test no_such_test
 cargo build -p no-such-crate
 scripts/no-such-script --all
 .bundle/run --no-such-mode
+python3 -m stablebuf.no_such_module
 ```
+
 
 Run `scripts/test`, then `python3 python/examples/missing.py`, and read `kernels/*.nothing`.
 
@@ -434,9 +454,10 @@ fn the_checker_reports_each_kind_of_mistake() {
         "README.md:8: `-p no-such-crate`: no such crate in the workspace",
         "README.md:9: `scripts/no-such-script`: no such file or folder",
         "README.md:10: `--no-such-mode`: scripts/gpu-bundle does not handle it",
-        "README.md:13: `python/examples/missing.py`: no such file or folder",
-        "README.md:13: `kernels/*.nothing`: no such file or folder",
-        "README.md:15: link to `docs/no-such-picture.svg`: no such file",
+        "README.md:11: `python -m stablebuf.no_such_module`: no python/stablebuf/no_such_module/__main__.py or python/stablebuf/no_such_module.py",
+        "README.md:15: `python/examples/missing.py`: no such file or folder",
+        "README.md:15: `kernels/*.nothing`: no such file or folder",
+        "README.md:17: link to `docs/no-such-picture.svg`: no such file",
     ];
     for want in expected {
         assert!(
