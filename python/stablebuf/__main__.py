@@ -61,7 +61,8 @@ def _tiny_swap(torch) -> str:  # type: ignore[no-untyped-def]
     import stablebuf
 
     tag = "doctor-weights"
-    generator = torch.Generator(device="cuda").manual_seed(int.from_bytes(os.urandom(4), "little"))
+    seed = int.from_bytes(os.urandom(4), "little")
+    generator = torch.Generator(device="cuda").manual_seed(seed)
     n = 256
 
     def fresh():  # type: ignore[no-untyped-def]
@@ -87,7 +88,8 @@ def _tiny_swap(torch) -> str:  # type: ignore[no-untyped-def]
     with torch.cuda.graph(graph):
         out = static_x @ weight
 
-    for name, weight_set, values in (("A", set_a, first), ("B", set_b, second), ("A", set_a, first)):
+    turns = (("A", set_a, first), ("B", set_b, second), ("A", set_a, first))
+    for name, weight_set, values in turns:
         static_x.copy_(fresh())
         stablebuf.bind(tag, weight_set)
         out.fill_(float("nan"))  # poison: a replay that wrote nothing cannot pass
@@ -105,7 +107,10 @@ def _tiny_swap(torch) -> str:  # type: ignore[no-untyped-def]
     else:
         raise AssertionError("a replay while the region slept was not refused")
     stablebuf.wake(tag)
-    return "one graph replayed on weight sets A, B, A (bound, not copied), outputs equal to eager; a replay while asleep raised Asleep"
+    return (
+        "one graph replayed on weight sets A, B, A (bound, not copied), outputs equal to "
+        "eager; a replay while asleep raised Asleep"
+    )
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -126,7 +131,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1
     show("CUDA driver", f"supports CUDA {version}")
     nccl, how = find_nccl()
-    show("libnccl", f"{nccl} (from {how})" if nccl else f"not found ({how}); only needed for collectives")
+    show(
+        "libnccl",
+        f"{nccl} (from {how})" if nccl else f"not found ({how}); only needed for collectives",
+    )
     try:
         import torch
     except ImportError:
@@ -147,7 +155,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         show("pluggable allocator", f"works ({stablebuf.library_path()})")
     except Exception as error:  # noqa: BLE001 - reported, then the verdict says it
         show("pluggable allocator", f"FAILED: {type(error).__name__}: {error}")
-        print("verdict: PyTorch refused stablebuf's allocator; regions cannot work here", flush=True)
+        print("verdict: PyTorch refused stablebuf's allocator; regions cannot work here",
+              flush=True)
         return 1
     try:
         outcome = _tiny_swap(torch)

@@ -185,19 +185,22 @@ fn style_of(method: &str, index: usize) -> RGBColor {
 fn bind_cost(table: &Table, out: &Path) -> Result<()> {
     let series = bind_series(table)?;
     let all: Vec<(f64, f64)> = series.values().flatten().copied().collect();
-    let (x_min, x_max) = all
-        .iter()
-        .fold((f64::MAX, f64::MIN), |(lo, hi), p| (lo.min(p.0), hi.max(p.0)));
-    let (y_min, y_max) = all
-        .iter()
-        .fold((f64::MAX, f64::MIN), |(lo, hi), p| (lo.min(p.1), hi.max(p.1)));
+    let (x_min, x_max) = all.iter().fold((f64::MAX, f64::MIN), |(lo, hi), p| {
+        (lo.min(p.0), hi.max(p.0))
+    });
+    let (y_min, y_max) = all.iter().fold((f64::MAX, f64::MIN), |(lo, hi), p| {
+        (lo.min(p.1), hi.max(p.1))
+    });
     let mut svg = String::new();
     {
         let root = SVGBackend::with_string(&mut svg, (960, 600)).into_drawing_area();
         root.fill(&WHITE).map_err(draw_error)?;
         let mut chart = ChartBuilder::on(&root)
             .caption(
-                format!("Pointing a graph at new bytes: cost against size ({})", table.device()),
+                format!(
+                    "Pointing a graph at new bytes: cost against size ({})",
+                    table.device()
+                ),
                 ("sans-serif", 20),
             )
             .margin(16)
@@ -219,10 +222,15 @@ fn bind_cost(table: &Table, out: &Path) -> Result<()> {
         for (index, (method, points)) in series.iter().enumerate() {
             let color = style_of(method, index);
             chart
-                .draw_series(LineSeries::new(points.iter().copied(), color.stroke_width(2)))
+                .draw_series(LineSeries::new(
+                    points.iter().copied(),
+                    color.stroke_width(2),
+                ))
                 .map_err(draw_error)?
                 .label(method.clone())
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2)));
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2))
+                });
             chart
                 .draw_series(points.iter().map(|&p| Circle::new(p, 4, color.filled())))
                 .map_err(draw_error)?;
@@ -238,7 +246,10 @@ fn bind_cost(table: &Table, out: &Path) -> Result<()> {
                     .map_err(draw_error)?;
                 chart
                     .draw_series(std::iter::once(Text::new(
-                        format!("crossover ≈ {}: below, copying is cheaper", size_label(at * MIB)),
+                        format!(
+                            "crossover ≈ {}: below, copying is cheaper",
+                            size_label(at * MIB)
+                        ),
                         (at * 1.1, y_max),
                         ("sans-serif", 15).into_font().color(&grey),
                     )))
@@ -275,7 +286,10 @@ fn decode_step(table: &Table, out: &Path) -> Result<()> {
         let workload = table.meta.get("workload").cloned().unwrap_or_default();
         let mut chart = ChartBuilder::on(&root)
             .caption(
-                format!("Decode step, a new weight set every step ({})", table.device()),
+                format!(
+                    "Decode step, a new weight set every step ({})",
+                    table.device()
+                ),
                 ("sans-serif", 20),
             )
             .margin(16)
@@ -348,9 +362,9 @@ fn pause_resume(table: &Table, out: &Path) -> Result<()> {
         values.push((size, tool, seconds));
     }
     sizes.sort_by(f64::total_cmp);
-    let (low, high) = values
-        .iter()
-        .fold((f64::MAX, f64::MIN), |(lo, hi), v| (lo.min(v.2), hi.max(v.2)));
+    let (low, high) = values.iter().fold((f64::MAX, f64::MIN), |(lo, hi), v| {
+        (lo.min(v.2), hi.max(v.2))
+    });
     let (y_min, y_max) = (low / 3.0, high * 3.0);
     let mut svg = String::new();
     {
@@ -405,7 +419,9 @@ fn pause_resume(table: &Table, out: &Path) -> Result<()> {
                 }))
                 .map_err(draw_error)?
                 .label(tool.clone())
-                .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 14, y + 5)], color.filled()));
+                .legend(move |(x, y)| {
+                    Rectangle::new([(x, y - 5), (x + 14, y + 5)], color.filled())
+                });
             chart
                 .draw_series(bars.iter().map(|&(x, s)| {
                     Text::new(
@@ -438,7 +454,11 @@ fn write(dir: &Path, name: &str, svg: &str) -> Result<()> {
 fn run(results: &Path, out: &Path) -> Result<()> {
     std::fs::create_dir_all(out).map_err(|e| format!("cannot create {}: {e}", out.display()))?;
     bind_cost(
-        &Table::read(results, "bind-cost.csv", &["method", "bytes", "microseconds"])?,
+        &Table::read(
+            results,
+            "bind-cost.csv",
+            &["method", "bytes", "microseconds"],
+        )?,
         out,
     )?;
     decode_step(
