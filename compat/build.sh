@@ -4,7 +4,12 @@
 #   compat/candle  stablebuf + candle-core (feature `cuda`)  -> target/compat/bin/stablebuf-candle-check
 #   compat/cubecl  stablebuf + cubecl-cuda                   -> target/compat/bin/stablebuf-cubecl-check
 #
-#   compat/build.sh [candle|cubecl]...   (both when none is named)
+#   compat/build.sh [--ci] [candle|cubecl]...   (both when none is named)
+#
+# --ci (what .ci/run uses): the dev profile and no stripped copies. Compiling and linking against
+# candle and cubecl is the whole check on a machine without a GPU, and the release profile's
+# optimisation of candle, gemm and cubecl is most of the Rust time. The release binaries for the
+# GPU host come from the plain mode (`scripts/gpu-bundle --compat`).
 #
 # candle-core's `cuda` feature forces cudarc's `dynamic-linking` and compiles candle-kernels with
 # nvcc, so the candle crate needs a CUDA toolkit at build time. This script installs the pieces
@@ -32,7 +37,14 @@ cuda=$tools/nvidia/cu13
 # Written last, so an interrupted install is detected and redone.
 marker=$tools/.installed-$(printf '%s\n' "${wheels[@]}" | cksum | cut -d' ' -f1)
 
-crates=("$@")
+profile=release
+crates=()
+for arg in "$@"; do
+  case $arg in
+    --ci) profile=dev ;;
+    *) crates+=("$arg") ;;
+  esac
+done
 [ ${#crates[@]} -gt 0 ] || crates=(candle cubecl)
 needs_toolkit=false
 for crate in "${crates[@]}"; do
@@ -92,10 +104,14 @@ for crate in "${crates[@]}"; do
     # cudarc and cudaforge (candle-kernels) find nvcc, headers and libraries from CUDA_HOME and
     # PATH; no GPU here, so the architecture is named.
     CUDA_HOME=$cuda PATH=$cuda/bin:$PATH CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90} \
-      cargo build --release --manifest-path "$manifest"
+      cargo build --profile "$profile" --manifest-path "$manifest"
   else
     # cubecl-cuda shares stablebuf's dynamically loaded cudarc: nothing to install.
-    cargo build --release --manifest-path "$manifest"
+    cargo build --profile "$profile" --manifest-path "$manifest"
+  fi
+  if [ "$profile" = dev ]; then
+    echo "compat $crate: built (dev profile, --ci) in $((SECONDS - start)) s"
+    continue
   fi
   # A stripped copy to carry to the GPU host (the candle one is ~40 MB: candle's kernels).
   mkdir -p "$CARGO_TARGET_DIR/bin"

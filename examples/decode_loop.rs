@@ -240,7 +240,34 @@ fn run(args: &Args) -> Result<bool> {
             }
         }
     }
+    println!("{}", one_line_verdict(&results, setup.set_bytes(), all_ok));
     Ok(all_ok)
+}
+
+/// The run in one line, last, for a reader who reads nothing else: were the outputs right, and
+/// what did a new weight set every step cost against not swapping and against copying it in.
+/// Taken at the smallest batch (the most memory-bound step, where a copy hurts most).
+fn one_line_verdict(results: &[BatchResult], set_bytes: usize, all_ok: bool) -> String {
+    let Some(result) = results.iter().min_by_key(|r| r.batch) else {
+        return "verdict: nothing ran".into();
+    };
+    let us = |label: &str| result.us(label);
+    let best = if us("a3") < us("a2") { "a3" } else { "a2" };
+    let floor = floor_of(best);
+    let vs_floor = us(best) / us(&floor);
+    let vs_copy = us("b").min(us("c")) / us(best);
+    let outcome = if all_ok {
+        "outputs correct"
+    } else {
+        "OUTPUT MISMATCHES (see above)"
+    };
+    format!(
+        "verdict: {outcome}; a new {} weight set every step by rebinding ({best}) costs {vs_floor:.2}x \
+         the no-swap floor ({floor}) and runs {vs_copy:.2}x faster than copying it in, \
+         at batch {}",
+        human(set_bytes),
+        result.batch
+    )
 }
 
 fn run_batch(

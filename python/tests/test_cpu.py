@@ -229,3 +229,36 @@ def test_wheel_ships_the_stub_and_py_typed():
     package = os.path.dirname(stablebuf.__file__)
     assert os.path.exists(STUB)
     assert os.path.exists(os.path.join(package, "py.typed"))
+
+
+@pytest.mark.skipif(
+    stablebuf.driver_present(), reason="a CUDA driver is here: the no-GPU report cannot be seen"
+)
+def test_doctor_without_a_gpu_says_so_and_exits_1():
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "stablebuf"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert lines[0].startswith("stablebuf "), done.stdout
+    assert "CUDA driver" in done.stdout and "none" in done.stdout, done.stdout
+    assert lines[-1].startswith("verdict: no NVIDIA GPU driver here"), done.stdout
+
+
+def test_doctor_is_the_console_script_and_finds_nccl_in_ld_library_path(tmp_path, monkeypatch):
+    from stablebuf import __main__ as doctor
+
+    assert callable(doctor.main)
+    fake = tmp_path / "libnccl.so.2"
+    fake.write_bytes(b"")
+    monkeypatch.setattr(doctor.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(doctor.ctypes.util, "find_library", lambda name: None)
+    monkeypatch.setenv("LD_LIBRARY_PATH", f"/no/such/folder:{tmp_path}")
+    assert doctor.find_nccl() == (str(fake), "LD_LIBRARY_PATH")
+    monkeypatch.setenv("LD_LIBRARY_PATH", "/no/such/folder")
+    path, reason = doctor.find_nccl()
+    assert path is None and "LD_LIBRARY_PATH" in reason
