@@ -14,6 +14,12 @@
 //!   [`Space::attach`](crate::Space::attach). That lets one space rebind while another space's
 //!   replay runs (pipelining), and makes attaching every stream that touches the space the
 //!   caller's duty.
+//! - [`FencePolicy::LastUse`] waits for the attached streams and, for streams stablebuf does not
+//!   own (PyTorch's), only up to the last use the caller noted on them ([`Fence::note_use`]: an
+//!   event recorded after each replay). A bind then overlaps work queued after that use — the
+//!   next step's replay on another region — which is what lets a swap hide behind a replay.
+//!   Work on the memory that was never noted (an eager kernel) is not waited for: noting every
+//!   use is the caller's duty.
 
 use std::cell::Cell;
 use std::sync::Arc;
@@ -21,6 +27,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaStream};
 
 use crate::driver;
+use crate::driver::event::UseMarker;
 use crate::error::{Error, Result};
 
 thread_local! {
@@ -57,6 +64,9 @@ pub enum FencePolicy {
     Context,
     /// Wait for the attached streams only (`cuStreamSynchronize` on each).
     AttachedStreams,
+    /// Wait for the attached streams and for the last noted use on every other stream
+    /// (`cuEventSynchronize`); see the module docs.
+    LastUse,
 }
 
 /// The streams that may hold work on some memory, and how to wait for them.
@@ -65,6 +75,8 @@ pub(crate) struct Fence {
     ctx: Arc<CudaContext>,
     policy: FencePolicy,
     streams: Vec<Arc<CudaStream>>,
+    /// The last noted use on each foreign stream ([`FencePolicy::LastUse`]).
+    uses: Vec<UseMarker>,
 }
 
 impl Fence {
@@ -73,7 +85,24 @@ impl Fence {
             ctx: ctx.clone(),
             policy,
             streams: Vec::new(),
+            uses: Vec::new(),
         }
+    }
+
+    /// Notes that work just enqueued on `stream` (a raw `CUstream` of this fence's device, as a
+    /// number) used the memory: [`FencePolicy::LastUse`] waits up to here. A no-op under the
+    /// other policies, which wait for more anyway.
+    pub(crate) fn note_use(&mut self, stream: u64) -> Result<()> {
+        if self.policy != FencePolicy::LastUse {
+            return Ok(());
+        }
+        if let Some(marker) = self.uses.iter().find(|m| m.stream() == stream) {
+            return marker.record();
+        }
+        let marker = UseMarker::new(&self.ctx, stream)?;
+        marker.record()?;
+        self.uses.push(marker);
+        Ok(())
     }
 
     /// Remembers that `stream` may use the memory.
@@ -107,12 +136,12 @@ impl Fence {
                 self.peer_streams()
                     .try_for_each(|s| driver::synchronize_stream(s))
             }
-            FencePolicy::AttachedStreams => {
+            FencePolicy::AttachedStreams | FencePolicy::LastUse => {
                 for other in self.streams.iter().filter(|s| ***s != **stream) {
                     let event = driver::traced("cuEventRecord", 0, || other.record_event(None))?;
                     driver::traced("cuStreamWaitEvent", 0, || stream.wait(&event))?;
                 }
-                Ok(())
+                self.uses.iter().try_for_each(|m| m.order_before(stream))
             }
         }
     }
@@ -130,6 +159,12 @@ impl Fence {
                 .streams
                 .iter()
                 .try_for_each(|s| driver::synchronize_stream(s)),
+            FencePolicy::LastUse => {
+                self.streams
+                    .iter()
+                    .try_for_each(|s| driver::synchronize_stream(s))?;
+                self.uses.iter().try_for_each(UseMarker::wait)
+            }
         }
     }
 

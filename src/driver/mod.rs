@@ -10,6 +10,7 @@
 
 pub(crate) mod blas;
 pub(crate) mod device;
+pub(crate) mod event;
 pub(crate) mod graph;
 pub(crate) mod host;
 #[cfg(any(test, feature = "fault-injection"))]

@@ -261,6 +261,14 @@ impl Region {
         self.lock().fence.attach(stream);
     }
 
+    /// Notes that work just enqueued on `stream` (a raw `CUstream` of the region's device, as a
+    /// number: PyTorch's `torch.cuda.Stream.cuda_stream`) used the region. With
+    /// [`FencePolicy::LastUse`] a later bind, sleep or free waits only up to here on that stream
+    /// (an event), so it overlaps work queued after it; a no-op under the other policies.
+    pub fn note_use(&self, stream: u64) -> Result<()> {
+        self.lock().fence.note_use(stream)
+    }
+
     /// Copies every live allocation to `storage` (one batch of copies, one wait), then unmaps
     /// and releases all physical memory under the region. Addresses stay reserved. No-op if
     /// asleep. [`Unbound`](crate::Error::Unbound) if unbound.
