@@ -110,21 +110,41 @@ def _expandable_segments_off(torch: Any) -> Iterator[None]:
         setter("expandable_segments:True")
 
 
-def pool(tag: str, *, capacity: Optional[int] = None) -> "torch.cuda.MemPool":
+_FENCES = ("device", "last-use")
+
+
+def _last_use(fence: str) -> bool:
+    if fence not in _FENCES:
+        raise ValueError(f"fence must be one of {_FENCES}, not {fence!r}")
+    return fence == "last-use"
+
+
+def pool(
+    tag: str, *, capacity: Optional[int] = None, fence: str = "device"
+) -> "torch.cuda.MemPool":
     """The ``torch.cuda.MemPool`` whose memory comes from region ``tag`` (created on first use,
     on the current CUDA device, with ``capacity`` bytes of addresses; 1 TiB by default, which
     costs no memory).
+
+    ``fence`` (used when the region is created) says what a bind, sleep or free waits for
+    before it unmaps: ``"device"`` (default) all work on the device, which cannot miss a use;
+    ``"last-use"`` only the uses noted on each stream — replays of :class:`CUDAGraph` and
+    :func:`guard` graphs, :func:`writing` blocks, and :func:`note_use` for anything else — so
+    a bind overlaps a replay over another region queued after its last use (see
+    ``examples/weight_swap.py``, pipelined). An eager kernel over a ``"last-use"`` region that
+    nobody noted is not waited for.
 
     Pass ``pool(tag).id`` to ``torch.cuda.graph(g, pool=...)`` to put a graph's own memory
     (activations, outputs) in a region that can sleep: see the README for what the capture
     probe found.
     """
+    last_use = _last_use(fence)
     with _POOLS_LOCK:
         found = _POOLS.get(tag)
         if found is not None:
             return found[1]
         torch = _torch()
-        slot = _native.register(tag, _current_device(), capacity)
+        slot = _native.register(tag, _current_device(), capacity, last_use)
         allocator = torch.cuda.memory.CUDAPluggableAllocator(
             library_path(), _native.alloc_symbol(slot), _native.FREE_SYMBOL
         )
@@ -139,7 +159,9 @@ def _warn_free_errors() -> None:
 
 
 @contextlib.contextmanager
-def region(tag: str, *, capacity: Optional[int] = None) -> Iterator["torch.cuda.MemPool"]:
+def region(
+    tag: str, *, capacity: Optional[int] = None, fence: str = "device"
+) -> Iterator["torch.cuda.MemPool"]:
     """Allocate every CUDA tensor made in this block (on this thread) in region ``tag``.
 
     The region is one reservation of device addresses; its allocations sit side by side, at
@@ -153,7 +175,7 @@ def region(tag: str, *, capacity: Optional[int] = None) -> Iterator["torch.cuda.
     ``__cause__``.
     """
     torch = _torch()
-    mem_pool = pool(tag, capacity=capacity)
+    mem_pool = pool(tag, capacity=capacity, fence=fence)
     _native.check_replayable([tag])
     _native.take_alloc_error()  # a stale failure must not be blamed on this block
     try:
@@ -251,8 +273,20 @@ def writing(weights: WeightSet) -> Iterator[WeightSet]:
     try:
         yield weights
     finally:
+        # The writes were eager: a "last-use" region's bind must wait for them.
+        note_use([weights.tag])
         if previous is not None:
             bind(weights.tag, previous)
+
+
+def note_use(tags: Tags) -> None:
+    """Note that the work queued so far on the current stream used the regions ``tags``.
+
+    Only regions made with ``fence="last-use"`` care: their binds, sleeps and frees wait for
+    the last noted use on each stream (an event), not for the whole device. Guarded replays
+    and :func:`writing` note their uses themselves; call this after eager work over such a
+    region."""
+    _native.note_use(_as_tags(tags), _current_stream())
 
 
 def check(tags: Tags) -> None:
@@ -315,8 +349,10 @@ class GuardedGraph:
 
     def replay(self) -> None:
         """Replay the graph, or raise :class:`Asleep` / :class:`Unbound` without launching."""
-        _native.check_replayable(list(self.tags))
+        tags = list(self.tags)
+        _native.check_replayable(tags)
         self.graph.replay()
+        _native.note_use(tags, _current_stream())
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.graph, name)

@@ -55,5 +55,8 @@ class CUDAGraph(torch.cuda.CUDAGraph):
 
     def replay(self) -> None:
         """Replay, or raise ``Asleep``/``Unbound`` without launching anything."""
-        _native.check_replayable(list(self.guarded_tags))
+        tags = list(self.guarded_tags)
+        _native.check_replayable(tags)
         super().replay()
+        # Regions with fence="last-use" wait for this replay (and no more) before a remap.
+        _native.note_use(tags, torch.cuda.current_stream().cuda_stream)
