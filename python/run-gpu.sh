@@ -4,8 +4,8 @@
 #   python/run-gpu.sh <stablebuf wheel> [<folder of extra wheels, e.g. torch_memory_saver>]
 #
 # Installs the wheels into /tmp/site (pip --no-index --no-deps --target), then runs, with
-# timings: the capture probe, pytest (CPU and GPU tests), examples/weight_swap.py and
-# examples/sleep_wake.py. Logs go to $OUT when it is set (else /tmp/stablebuf-python-logs).
+# timings: the capture probe, pytest (CPU and GPU tests), examples/weight_swap.py,
+# examples/serve_finetunes.py and examples/sleep_wake.py. Logs go to $OUT when it is set (else /tmp/stablebuf-python-logs).
 # Ends with `python GPU suite: N passed, M failed`; exits non-zero if anything failed.
 # Python: $PYTHON if set, else the first of python3 and /opt/torch/.venv/bin/python that
 # imports torch.
@@ -105,6 +105,9 @@ fi
 step "examples/weight_swap.py" weight_swap.log "$python" python/examples/weight_swap.py
 count "weight_swap" $?
 
+step "examples/serve_finetunes.py" serve_finetunes.log "$python" python/examples/serve_finetunes.py
+count "serve_finetunes" $?
+
 tms_flag=()
 if "$python" -c "import torch_memory_saver" 2>/dev/null; then tms_flag=(--require-tms); fi
 step "examples/sleep_wake.py" sleep_wake.log "$python" python/examples/sleep_wake.py "${tms_flag[@]}"
@@ -114,7 +117,8 @@ elapsed=$(($(date +%s) - suite_start))
 {
   echo "run-gpu: finished in ${elapsed} s"
   grep -h '^probe ' "$logs/probe.log" || true
-  grep -h -E '^(weight_swap|sleep_wake):' "$logs/weight_swap.log" "$logs/sleep_wake.log" || true
+  grep -h -E '^(weight_swap|serve_finetunes|sleep_wake):' "$logs/weight_swap.log" \
+    "$logs/serve_finetunes.log" "$logs/sleep_wake.log" || true
   if [ ${#failures[@]} -gt 0 ]; then printf 'run-gpu: failed: %s\n' "${failures[@]}"; fi
   echo "python GPU suite: $passed passed, $failed failed"
 } | tee "$logs/summary.txt"
