@@ -183,9 +183,9 @@ pub fn free(address: u64) -> Result<usize, Failure> {
 /// on that stream (an event; nothing waits now). A no-op for the other regions.
 pub fn note_use<S: AsRef<str>>(tags: &[S], stream: usize) -> Result<(), Failure> {
     for region in regions(tags)? {
-        region
-            .note_use(stream as u64)
-            .map_err(|e| failure(e, None).context(format_args!("noting a use of `{}`", region.tag())))?;
+        region.note_use(stream as u64).map_err(|e| {
+            failure(e, None).context(format_args!("noting a use of `{}`", region.tag()))
+        })?;
     }
     Ok(())
 }
@@ -482,7 +482,7 @@ mod tests {
         if stablebuf::driver_present() {
             return; // a GPU machine: test_gpu.py covers registration
         }
-        let failure = register("weights", 0, None).unwrap_err();
+        let failure = register("weights", 0, None, false).unwrap_err();
         assert!(failure.message.contains("CUDA driver"), "{failure}");
         assert!(!tags().contains(&"weights".to_string()));
         assert!(reserve_host(1 << 20, 0).is_err());
