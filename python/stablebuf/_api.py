@@ -10,7 +10,7 @@ import threading
 import warnings
 from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
-from . import _native
+from . import _guard, _native
 from ._native import Error, WeightSet
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -24,6 +24,35 @@ Tags = Union[str, Iterable[str]]
 _POOLS: Dict[str, Tuple[Any, Any]] = {}
 _POOLS_LOCK = threading.Lock()
 _EXPANDABLE_WARNED = False
+
+
+class CaptureActive(Error):
+    """A call that unmaps, maps or copies region memory (``sleep``, ``wake``, ``bind``,
+    ``unbind``, ``snapshot``) came while a CUDA graph capture is under way on the current
+    stream; nothing was changed."""
+
+
+CaptureActive.__module__ = "stablebuf"
+
+
+def _refuse_during_capture(call: str) -> None:
+    """Raise :class:`CaptureActive` if the current stream is capturing a CUDA graph: a remap
+    or a copy now would be captured into (or break) the graph being recorded."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return  # without torch nothing can be capturing through PyTorch
+    try:
+        if not torch.cuda.is_initialized():
+            return
+        capturing = bool(torch.cuda.is_current_stream_capturing())
+    except Exception:  # noqa: BLE001 - a torch without CUDA: no capture can be under way
+        return
+    if capturing:
+        raise CaptureActive(
+            f"stablebuf.{call}() was called while a CUDA graph capture is under way on the "
+            "current stream; nothing was changed: call it before the capture begins or after "
+            "it ends"
+        )
 
 
 def _as_tags(tags: Tags) -> List[str]:
@@ -150,7 +179,10 @@ def pool(
         )
         mem_pool = torch.cuda.MemPool(allocator.allocator())
         _POOLS[tag] = (allocator, mem_pool)
-        return mem_pool
+        _guard.note_region_created()
+    # From the first region on, every CUDA graph replay and compiled call checks its regions.
+    _guard.install()
+    return mem_pool
 
 
 def _warn_free_errors() -> None:
@@ -209,6 +241,7 @@ def sleep(tags: Tags, keep: bool = True) -> Dict[str, Dict[str, Any]]:
     "gb_per_s", "storage"}}``.
     """
     names = _as_tags(tags)
+    _refuse_during_capture("sleep")
     try:
         return _native.sleep(names, keep, _current_stream())
     finally:
@@ -222,7 +255,9 @@ def wake(tags: Tags) -> Dict[str, Dict[str, Any]]:
     Waking an awake region does nothing. On :class:`OutOfMemory` the failing region (and those
     after it) stays asleep with its host copy: free memory and call ``wake`` again.
     """
-    return _native.wake(_as_tags(tags), _current_stream())
+    names = _as_tags(tags)
+    _refuse_during_capture("wake")
+    return _native.wake(names, _current_stream())
 
 
 def snapshot(tag: str) -> WeightSet:
@@ -233,6 +268,7 @@ def snapshot(tag: str) -> WeightSet:
     :func:`bind`. The first snapshot also folds the region's backing into one allocation, so
     every later bind is one mapping.
     """
+    _refuse_during_capture("snapshot")
     return _native.snapshot(tag, _current_stream())
 
 
@@ -244,6 +280,7 @@ def bind(tag: str, weights: WeightSet) -> Optional[WeightSet]:
     (never unmaps under a running kernel). Raises :class:`SnapshotMismatch` for a weight set of
     another region, or when the region grew past the weight set (take a new snapshot).
     """
+    _refuse_during_capture("bind")
     return _native.bind(tag, weights)
 
 
@@ -255,6 +292,7 @@ def bound(tag: str) -> Optional[WeightSet]:
 def unbind(tag: str) -> None:
     """Unmap region ``tag``'s weight set (keep :func:`bound` first to bind it back). Graphs
     guarded by the tag raise :class:`Unbound` until the next :func:`bind`."""
+    _refuse_during_capture("unbind")
     _native.unbind(tag)
 
 
@@ -350,9 +388,10 @@ class GuardedGraph:
     def replay(self) -> None:
         """Replay the graph, or raise :class:`Asleep` / :class:`Unbound` without launching."""
         tags = list(self.tags)
-        _native.check_replayable(tags)
-        self.graph.replay()
-        _native.note_use(tags, _current_stream())
+        _guard.check(tags)
+        with _guard.already_checked(self.tags):
+            self.graph.replay()
+        _guard.note_use(tags)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.graph, name)
@@ -366,5 +405,9 @@ def guard(graph: Any, tags: Optional[Tags] = None) -> GuardedGraph:
     :class:`Unbound` instead of faulting when a region it uses is asleep or unbound.
 
     ``tags`` are the regions the graph reads or writes; by default every region that exists
-    now (safe, but then sleeping any region blocks the replay)."""
-    return GuardedGraph(graph, _native.tags() if tags is None else tags)
+    now (safe, but then sleeping any region blocks the replay). The tags are also recorded
+    as the graph's own (:func:`graph_tags`), so a replay of the unwrapped graph checks the same
+    regions."""
+    guarded = GuardedGraph(graph, _native.tags() if tags is None else tags)
+    _guard.set_graph_tags_if_possible(graph, guarded.tags)
+    return guarded
