@@ -138,7 +138,8 @@ def note_use(tags: Iterable[str]) -> None:
 
 
 def _record_of(graph: Any, create: bool) -> Optional[_GraphTags]:
-    # getattr with a default: a graph class may define __getattr__ (GuardedGraph does).
+    # Read from the instance dict, not getattr: a wrapper's __getattr__ (GuardedGraph's)
+    # would otherwise hand out the wrapped graph's record as its own.
     record = graph.__dict__.get(_TAGS_ATTRIBUTE) if hasattr(graph, "__dict__") else None
     if record is not None:
         return record
@@ -263,10 +264,8 @@ def _mark(function: Callable[..., Any], original: Callable[..., Any]) -> Callabl
 def patch_graph_class(graph_class: Any) -> bool:
     """Guard ``graph_class.replay`` and record regions in ``graph_class.capture_end`` (once;
     returns whether this call patched)."""
-    original_replay = graph_class.__dict__.get("replay", getattr(graph_class, "replay"))
-    original_capture_end = graph_class.__dict__.get(
-        "capture_end", getattr(graph_class, "capture_end")
-    )
+    original_replay = graph_class.replay
+    original_capture_end = graph_class.capture_end
     if _is_ours(original_replay) and _is_ours(original_capture_end):
         return False
 
