@@ -7,8 +7,10 @@
 # timings: the capture probe, pytest (CPU and GPU tests), examples/weight_swap.py,
 # examples/serve_finetunes.py and examples/sleep_wake.py. Logs go to $OUT when it is set (else /tmp/stablebuf-python-logs).
 # Ends with `python GPU suite: N passed, M failed`; exits non-zero if anything failed.
-# Python: $PYTHON if set, else the first of python3 and /opt/torch/.venv/bin/python that
-# imports torch.
+# Python: $PYTHON if set, else python3; it must import torch. pytest runs the whole
+# python/tests folder: test_cpu.py, test_gpu.py, test_compiled.py (torch.compile, a plain
+# torch.cuda.CUDAGraph and a transformers Llama under the replay guard; the Llama test skips
+# without transformers) and test_guard_cpu.py.
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(dirname "$here")"
@@ -19,17 +21,9 @@ mkdir -p "$logs"
 site=/tmp/site
 suite_start=$(date +%s)
 
-python="${PYTHON:-}"
-if [ -z "$python" ]; then
-  for candidate in python3 /opt/torch/.venv/bin/python; do
-    if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c "import torch" 2>/dev/null; then
-      python="$candidate"
-      break
-    fi
-  done
-fi
-if [ -z "$python" ]; then
-  echo "run-gpu: no python with torch found (set PYTHON)"
+python="${PYTHON:-python3}"
+if ! "$python" -c "import torch" 2>/dev/null; then
+  echo "run-gpu: $python does not import torch (set PYTHON to a python that does)"
   echo "python GPU suite: 0 passed, 1 failed"
   exit 1
 fi

@@ -60,10 +60,11 @@ def _mlp(torch, width, layers):
 
 
 def _random_mlp_state(torch, model, generator):
-    # 0.08 keeps activations near unit scale through the layers (a GELU halves about half).
+    # 0.06 keeps activations below unit scale through the layers (each gains about 0.9),
+    # so bf16 rounding differences stay well inside the tolerances.
     return {
         name: (
-            0.08 * torch.randn(v.shape, generator=generator, device="cuda", dtype=torch.float32)
+            0.06 * torch.randn(v.shape, generator=generator, device="cuda", dtype=torch.float32)
         ).to(v.dtype)
         for name, v in model.state_dict().items()
     }
