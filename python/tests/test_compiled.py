@@ -39,6 +39,21 @@ def _counters(torch):
     return counters["inductor"]["cudagraph_recorded_non_static_inputs"]
 
 
+def _cudagraph_skips(torch):
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["cudagraph_skips"]
+
+
+def _assert_no_cudagraph_skips(torch, skips_before):
+    # Compiled code that inductor did not put in a CUDA graph runs its kernels eagerly, which
+    # the guard does not cover: sleeping under it would fault and end the whole test run.
+    assert _cudagraph_skips(torch) == skips_before, (
+        "torch.compile ran part of the model without CUDA graphs (see the 'skipping "
+        "cudagraphs' log); its kernels would read the sleeping region unguarded"
+    )
+
+
 def _assert_matches_weight_set(torch, out, want, other, what):
     """``out`` equals ``want`` (eager, this weight set) within bf16 tolerances and is far from
     ``other`` (eager, the other weight set), so a replay on the wrong weights cannot pass."""
@@ -72,6 +87,7 @@ def _random_mlp_state(torch, model, generator):
 
 def test_compiled_mlp_swaps_weight_sets_without_rerecording_and_refuses_while_asleep(torch):
     tag, width, layers, batch = "compiled_mlp", 512, 8, 64
+    skips_before = _cudagraph_skips(torch)
     generator = torch.Generator(device="cuda").manual_seed(1)
     with stablebuf.region(tag):
         model = _mlp(torch, width, layers)
@@ -101,6 +117,7 @@ def test_compiled_mlp_swaps_weight_sets_without_rerecording_and_refuses_while_as
         torch.compiler.cudagraph_mark_step_begin()
         return compiled(x).clone()
 
+    captures_before = stablebuf.guard_stats()["captures"]
     with torch.no_grad():
         # Warm-up, recording, first replay: all on weight set A.
         for step in range(3):
@@ -110,7 +127,7 @@ def test_compiled_mlp_swaps_weight_sets_without_rerecording_and_refuses_while_as
             )
         recorded = stablebuf.guard_stats()
         recorded_inputs = _counters(torch)
-        assert recorded["captures"] >= 1, "torch.compile recorded a CUDA graph"
+        assert recorded["captures"] > captures_before, "torch.compile recorded a CUDA graph"
 
         for step in range(6):
             use_b = step % 2 == 0
@@ -128,6 +145,7 @@ def test_compiled_mlp_swaps_weight_sets_without_rerecording_and_refuses_while_as
 
         # Asleep: the call raises before the tree manager does anything. The previous call's
         # output, poisoned, stays untouched (nothing launched, no new generation started).
+        _assert_no_cudagraph_skips(torch, skips_before)
         stablebuf.bind(tag, ws_a)
         torch.compiler.cudagraph_mark_step_begin()
         kept = compiled(fresh())
@@ -348,6 +366,7 @@ def test_llama_compiled_decode_swaps_weight_sets_and_refuses_while_asleep(torch)
     from transformers import LogitsProcessor, LogitsProcessorList, StaticCache
 
     tag = "llama_weights"
+    skips_before = _cudagraph_skips(torch)
     generator = torch.Generator(device="cuda").manual_seed(3)
     config = _llama_config()
     with stablebuf.region(tag):
@@ -401,11 +420,12 @@ def test_llama_compiled_decode_swaps_weight_sets_and_refuses_while_asleep(torch)
             **extra,
         )
 
+    captures_before = stablebuf.guard_stats()["captures"]
     for warm in range(2):
         _assert_same_greedy_tokens(torch, generate(), eager_a, reference_a, f"A, warm-up {warm}")
     recorded = stablebuf.guard_stats()
     recorded_inputs = _counters(torch)
-    assert recorded["captures"] >= 1, "generate() recorded a CUDA graph (compiled decode)"
+    assert recorded["captures"] > captures_before, "generate() recorded a CUDA graph"
 
     for step, use_b in enumerate([True, False, True, False]):
         stablebuf.bind(tag, ws_b if use_b else ws_a)
@@ -431,6 +451,8 @@ def test_llama_compiled_decode_swaps_weight_sets_and_refuses_while_asleep(torch)
 
     # Asleep in the middle of generate(): the compiled decode step refuses, before the CUDA
     # graph tree does anything.
+    _assert_no_cudagraph_skips(torch, skips_before)
+
     class SleepAfterTokens(LogitsProcessor):
         def __init__(self, tokens):
             self.length = PROMPT + tokens
