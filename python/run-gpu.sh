@@ -5,7 +5,8 @@
 #
 # Installs the wheels into /tmp/site (pip --no-index --no-deps --target), then runs, with
 # timings: the capture probe, pytest (CPU and GPU tests), examples/weight_swap.py,
-# examples/serve_finetunes.py and examples/sleep_wake.py. Logs go to $OUT when it is set (else /tmp/stablebuf-python-logs).
+# examples/serve_finetunes.py and examples/sleep_wake.py. Logs go to $OUT when it is set
+# (else /tmp/stablebuf-python-logs).
 # Ends with `python GPU suite: N passed, M failed`; exits non-zero if anything failed.
 # Python: $PYTHON if set, else python3; it must import torch. pytest runs the whole
 # python/tests folder: test_cpu.py, test_gpu.py, test_compiled.py (torch.compile, a plain

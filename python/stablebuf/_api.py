@@ -157,8 +157,9 @@ def pool(
 
     ``fence`` (used when the region is created) says what a bind, sleep or free waits for
     before it unmaps: ``"device"`` (default) all work on the device, which cannot miss a use;
-    ``"last-use"`` only the uses noted on each stream — replays of :class:`CUDAGraph` and
-    :func:`guard` graphs, :func:`writing` blocks, and :func:`note_use` for anything else — so
+    ``"last-use"`` only the uses noted on each stream — guarded replays (every
+    ``torch.cuda.CUDAGraph`` over a region, ``torch.compile(mode="reduce-overhead")`` calls),
+    :func:`writing` blocks, and :func:`note_use` for anything else — so
     a bind overlaps a replay over another region queued after its last use (see
     ``examples/weight_swap.py``, pipelined). An eager kernel over a ``"last-use"`` region that
     nobody noted is not waited for.

@@ -6,8 +6,9 @@ illegal-address fault. Once the first region exists, this module patches PyTorch
 graph can do that:
 
 - ``torch.cuda.CUDAGraph.capture_end`` records which regions the graph may use: the regions
-  that hold allocations when the capture ends (conservative), or, for a graph recorded by
-  ``torch.compile``'s CUDA graph trees, the regions its inputs and constants live in (exact).
+  that hold allocations and are awake and bound when the capture ends (conservative), or, for
+  a graph recorded by ``torch.compile``'s CUDA graph trees, the regions its inputs and
+  constants live in (exact).
   :func:`graph_tags` narrows or overrides the set by hand.
 - ``torch.cuda.CUDAGraph.replay`` checks those regions and raises :class:`stablebuf.Asleep`
   / :class:`stablebuf.Unbound` before anything is launched.
@@ -168,8 +169,9 @@ def _record_of(graph: Any, create: bool) -> Optional[_GraphTags]:
 def graph_tags(graph: Any, tags: Any = _UNSET) -> Optional[Tuple[str, ...]]:
     """The regions whose state a replay of ``graph`` checks; with ``tags``, set them first.
 
-    By default a ``torch.cuda.CUDAGraph`` guards the regions that held allocations when its
-    capture ended (and ``torch.compile``'s graphs the regions of their inputs and constants).
+    By default a ``torch.cuda.CUDAGraph`` guards the regions that held allocations and were
+    awake and bound when its capture ended (``torch.compile``'s graphs: the regions of their
+    inputs and constants).
     ``graph_tags(g, ["weights"])`` narrows that to the regions the graph really reads, so that
     sleeping another region does not block it; ``graph_tags(g, None)`` drops the override and
     goes back to what the capture recorded. Returns the set now in force (``None``: the graph
@@ -244,8 +246,23 @@ def tags_of_tensors(values: Iterable[Any]) -> Tuple[str, ...]:
     return tuple(sorted(found))
 
 
-def _tags_with_allocations() -> Tuple[str, ...]:
-    return tuple(tag for tag, entry in _native.stats().items() if entry.get("allocations", 0))
+def _tags_a_capture_may_use() -> Tuple[str, ...]:
+    """The regions a graph captured just now may read: those holding memory and readable now.
+
+    A region asleep or unbound when the capture ends is left out: a graph over it could not
+    have been warmed up (the usual run before a capture), and guarding it would refuse every
+    replay of, say, another library's graph captured while stablebuf's regions sleep.
+    """
+    found = []
+    for tag, entry in _native.stats().items():
+        if not entry.get("allocations", 0):
+            continue
+        try:
+            _native.check_replayable([tag])
+        except _native.Error:
+            continue
+        found.append(tag)
+    return tuple(found)
 
 
 # --- the patches -------------------------------------------------------------------------
@@ -285,8 +302,8 @@ def patch_graph_class(graph_class: Any) -> bool:
                 return
             assert record is not None
             # A graph recorded inside a checked tree call uses that call's regions; any other
-            # graph may use every region that holds memory now.
-            record.captured = inside if inside is not None else _tags_with_allocations()
+            # graph may use every region that holds memory and is readable now.
+            record.captured = inside if inside is not None else _tags_a_capture_may_use()
 
         graph_class.capture_end = _mark(capture_end, original_capture_end)
 

@@ -189,6 +189,58 @@ def test_compiled_mlp_swaps_weight_sets_without_rerecording_and_refuses_while_as
         assert _counters(torch) == recorded_inputs
 
 
+def test_a_last_use_bind_waits_for_the_compiled_replay_the_guard_noted(torch):
+    # A region with the "last-use" fence: a bind waits only for the uses noted on each stream.
+    # The guard notes every compiled call, so a bind right after one waits for its replay
+    # (about 24 large matmuls, tens of milliseconds) and that replay reads the old weights.
+    tag, n, rounds = "compiled_last_use", 4096, 24
+
+    class Chain(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            weight = torch.randn(n, n, device="cuda") / n**0.5
+            self.weight = torch.nn.Parameter(weight, requires_grad=False)
+
+        def forward(self, x):
+            out = x
+            for _ in range(rounds):
+                out = torch.tanh(out @ self.weight)
+            return out
+
+    def eager_chain(weight, x):
+        out = x
+        for _ in range(rounds):
+            out = torch.tanh(out @ weight)
+        return out
+
+    with stablebuf.region(tag, fence="last-use"):
+        model = Chain()
+    first_values = model.weight.detach().clone()
+    second_values = torch.randn(n, n, device="cuda") / n**0.5
+    second_set = stablebuf.snapshot(tag)  # the first snapshot also makes the bound set
+    first_set = stablebuf.bound(tag)
+    with stablebuf.writing(second_set):
+        model.weight.copy_(second_values)
+    assert stablebuf.bound(tag) == first_set
+    x = torch.randn(n, n, device="cuda")
+    compiled = torch.compile(model, mode="reduce-overhead")
+    with torch.no_grad():
+        for _ in range(3):  # warm-up, recording, replay
+            torch.compiler.cudagraph_mark_step_begin()
+            compiled(x)
+        torch.cuda.synchronize()
+
+        torch.compiler.cudagraph_mark_step_begin()
+        on_first = compiled(x).clone()  # queued; the clone is stream-ordered after it
+        assert stablebuf.bind(tag, second_set) == first_set
+        torch.compiler.cudagraph_mark_step_begin()
+        on_second = compiled(x).clone()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(on_first, eager_chain(first_values, x), rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(on_second, eager_chain(second_values, x), rtol=1e-3, atol=1e-3)
+    stablebuf.bind(tag, first_set)
+
+
 def _warm_then_capture(torch, graph, fn):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -235,8 +287,8 @@ def test_a_plain_torch_graph_refuses_while_asleep_and_the_context_stays_usable(t
     torch.cuda.synchronize()
     torch.testing.assert_close(out, want)
 
-    # By default the graph guards every region that held memory at capture end, so sleeping
-    # an unrelated one blocks it; graph_tags narrows it to what it reads.
+    # By default the graph guards every region that held memory (awake and bound) at capture
+    # end, so sleeping an unrelated one blocks it; graph_tags narrows it to what it reads.
     reference = unrelated.clone()
     stablebuf.sleep(other_tag)
     try:
@@ -247,6 +299,15 @@ def test_a_plain_torch_graph_refuses_while_asleep_and_the_context_stays_usable(t
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out, want)
+        # A graph captured while a region sleeps does not guard it (it cannot have read it).
+        later = torch.cuda.CUDAGraph()
+        later_out = _warm_then_capture(torch, later, lambda: x @ w1)
+        later_tags = stablebuf.graph_tags(later)
+        assert tag in later_tags and other_tag not in later_tags, later_tags
+        later_out.fill_(float("nan"))
+        later.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(later_out, x @ w1)
     finally:
         stablebuf.wake(other_tag)
     assert torch.equal(unrelated, reference)
