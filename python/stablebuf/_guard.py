@@ -339,8 +339,7 @@ def patch_tree_manager(manager_class: Any) -> bool:
         original = manager_class.__dict__.get(name)
         if original is None or _is_ours(original):
             continue
-        manager_class_attribute = _tree_entry(original)
-        setattr(manager_class, name, manager_class_attribute)
+        setattr(manager_class, name, _tree_entry(original))
         patched = True
     return patched
 
