@@ -89,8 +89,8 @@ def test_empty_tag_lists_do_nothing():
 
 def test_a_fence_that_does_not_exist_is_refused_before_anything_is_created():
     with pytest.raises(ValueError, match="last-use"):
-        stablebuf.pool("weights", fence="last use")
-    assert stablebuf.tags() == []
+        stablebuf.pool("fence_typo", fence="last use")
+    assert "fence_typo" not in stablebuf.tags()
 
 
 def test_guard_checks_before_launching():

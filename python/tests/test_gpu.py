@@ -253,8 +253,9 @@ def test_a_last_use_bind_waits_for_the_noted_replay_and_not_for_later_work(torch
         weights.append(w)
         inputs.append(x)
     first_values = weights[0].detach().clone()
-    first_set = stablebuf.bound("last_use_a")
     second_set = stablebuf.snapshot("last_use_a")
+    first_set = stablebuf.bound("last_use_a")  # a region has a weight set from its first snapshot
+    assert first_set is not None and first_set != second_set
     second_values = torch.randn(n, n, device="cuda") / n**0.5
     with stablebuf.writing(second_set):
         weights[0].copy_(second_values)
