@@ -1,0 +1,383 @@
+"""Seeded random sequences over the Python API, each step checked against a model.
+
+Two regions take a random sequence of: tensor allocations by PyTorch inside ``region()``,
+frees, eager writes and reads (only where the model says the memory is there), snapshots,
+binds (also of another region's weight set), unbinds, sleeps with the contents kept or
+discarded, wakes, replays of a hand-captured graph and calls of a ``torch.compile``
+(``mode="reduce-overhead"``) function over a region tensor. Before each step the model says
+what must happen: the typed exception (``Asleep``, ``Unbound``, ``SnapshotMismatch``) or
+success, and, on success, every byte the step can observe. Every 100 steps the device's free
+memory is checked against the model's physical memory (no drift). A second test runs a replay
+thread beside a bind thread.
+
+``STABLEBUF_SEED`` replays a run, ``STABLEBUF_STEPS`` sets its length (2,000 by default).
+GPU tests: they skip (with the reason) without torch or a CUDA device.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from typing import Dict, List, Optional
+
+import pytest
+
+import stablebuf
+
+pytestmark = pytest.mark.gpu
+
+MiB = 1 << 20
+TAGS = ("random_a", "random_b")
+SIZES_MIB = (1, 2, 3, 5, 8)
+MAX_TENSORS = 10
+MAX_HELD_SETS = 3
+DRIFT_LIMIT = 64 * MiB
+
+
+@pytest.fixture(scope="module")
+def torch():
+    import torch as torch_module
+
+    torch_module.cuda.init()
+    return torch_module
+
+
+class RegionModel:
+    """What one region must hold: its tensors, and their contents per backing."""
+
+    def __init__(self, torch, tag: str, rng: random.Random) -> None:
+        self.torch, self.tag, self.rng = torch, tag, rng
+        self.tensors: Dict[int, object] = {}
+        # Contents per backing: the id of a weight set (or "initial") -> tensor id -> values on
+        # the CPU, or None where the contents are unknown (woken after a discard).
+        self.contents: Dict[object, Dict[int, Optional[object]]] = {"initial": {}}
+        self.key: object = "initial"
+        self.asleep = False
+        self.kept = True
+        self.unbound = False
+        self.held: List[stablebuf.WeightSet] = []
+        self.next_id = 0
+        with stablebuf.region(tag):
+            self.probe = torch.empty(MiB // 4, device="cuda")
+        self.probe_id = self._add(self.probe)
+        self.write(self.probe_id)
+        self.out = torch.empty(MiB // 4, device="cuda")  # outside the region
+        self.graph = stablebuf.CUDAGraph(tags=[tag])
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self.out.copy_(self.probe * 2 + 1)
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(self.graph):
+            self.out.copy_(self.probe * 2 + 1)
+        torch.cuda.synchronize()
+
+    def _add(self, tensor) -> int:
+        self.next_id += 1
+        self.tensors[self.next_id] = tensor
+        return self.next_id
+
+    def random_values(self, count: int):
+        generator = self.torch.Generator().manual_seed(self.rng.getrandbits(63))
+        return self.torch.randn(count, generator=generator) + 3.0  # never zeros
+
+    def live(self) -> Dict[int, Optional[object]]:
+        return self.contents[self.key]
+
+    def usable(self) -> bool:
+        return not self.asleep and not self.unbound
+
+    def expected_gate(self):
+        """The error a replay, an allocation or a snapshot must raise now, if any."""
+        if self.asleep:
+            return stablebuf.Asleep
+        if self.unbound:
+            return stablebuf.Unbound
+        return None
+
+    def write(self, tensor_id: int) -> None:
+        tensor = self.tensors[tensor_id]
+        values = self.random_values(tensor.numel())
+        tensor.copy_(values.to("cuda"))
+        self.live()[tensor_id] = values
+
+    def follow_bound(self, carried: bool) -> None:
+        """After a snapshot or a wake the region may be backed by a new weight set of its own:
+        the live contents move there (kept), or become unknown (discarded)."""
+        bound = stablebuf.bound(self.tag)
+        if bound is None or bound.id == self.key:
+            return
+        if carried:
+            self.contents[bound.id] = dict(self.live())
+        else:
+            self.contents[bound.id] = {tensor_id: None for tensor_id in self.tensors}
+        self.key = bound.id
+
+    def pieces(self) -> int:
+        """Mappings past the consolidated span (allocations made since the last snapshot)."""
+        stats = stablebuf.stats()[self.tag]
+        return stats["mappings"] - (0 if stablebuf.bound(self.tag) is None else 1)
+
+    def physical(self) -> int:
+        """Device bytes this region holds: what is mapped, plus held weight sets not bound."""
+        bound = stablebuf.bound(self.tag)
+        unmapped = sum(w.nbytes for w in self.held if bound is None or w != bound)
+        return stablebuf.stats()[self.tag]["mapped"] + unmapped
+
+
+def run(expected, action):
+    """Runs ``action``; it must raise exactly ``expected`` (a type), or succeed if ``None``."""
+    if expected is None:
+        return action()
+    with pytest.raises(expected):
+        action()
+    return None
+
+
+def step(torch, rng: random.Random, regions: Dict[str, RegionModel], compiled, log: List[str]):
+    model = regions[rng.choice(TAGS)]
+    other = regions[TAGS[1] if model.tag == TAGS[0] else TAGS[0]]
+    ops = [
+        "alloc", "free", "write", "read", "snapshot", "bind", "bind", "foreign_bind",
+        "unbind", "sleep", "wake", "wake", "replay", "replay", "compiled", "drop_set",
+    ]
+    op = rng.choice(ops)
+    log.append(f"{model.tag}: {op}")
+    tag = model.tag
+
+    if op == "alloc":
+        if len(model.tensors) >= MAX_TENSORS:
+            return
+        count = rng.choice(SIZES_MIB) * MiB // 4
+
+        def alloc():
+            with stablebuf.region(tag):
+                return torch.empty(count, device="cuda")
+
+        tensor = run(model.expected_gate(), alloc)
+        if tensor is not None:
+            model.write(model._add(tensor))
+    elif op == "free":
+        candidates = [i for i in model.tensors if i != model.probe_id]
+        if candidates:
+            victim = rng.choice(candidates)
+            del model.tensors[victim]
+            for contents in model.contents.values():
+                contents.pop(victim, None)
+    elif op == "write":
+        # Eager kernels over a released region are not guarded: only where memory is there.
+        if model.usable():
+            model.write(rng.choice(list(model.tensors)))
+    elif op == "read":
+        if model.usable():
+            torch.cuda.synchronize()
+            for tensor_id, values in model.live().items():
+                if values is not None:
+                    got = model.tensors[tensor_id].cpu()
+                    assert torch.equal(got, values), f"{tag}: tensor {tensor_id} differs"
+    elif op == "snapshot":
+        if len(model.held) >= MAX_HELD_SETS:
+            return
+        weight_set = run(model.expected_gate(), lambda: stablebuf.snapshot(tag))
+        if weight_set is not None:
+            model.follow_bound(carried=True)
+            model.contents[weight_set.id] = dict(model.live())
+            model.held.append(weight_set)
+    elif op in ("bind", "foreign_bind"):
+        source = model if op == "bind" else other
+        if not source.held:
+            return
+        weight_set = rng.choice(source.held)
+        stats = stablebuf.stats()[tag]
+        if source is not model:
+            expected = stablebuf.SnapshotMismatch
+        elif model.asleep:
+            expected = stablebuf.Asleep
+        elif stablebuf.bound(tag) == weight_set:
+            expected = None
+        elif model.pieces() > 0 or weight_set.nbytes < stats["span"]:
+            expected = stablebuf.SnapshotMismatch
+        else:
+            expected = None
+        before = stablebuf.bound(tag)
+        run(expected, lambda: stablebuf.bind(tag, weight_set))
+        if expected is None:
+            model.key = weight_set.id
+            model.unbound = False
+        else:
+            assert stablebuf.bound(tag) == before, f"{tag}: a refused bind changed the binding"
+    elif op == "unbind":
+        if model.asleep:
+            expected = stablebuf.Asleep
+        elif model.pieces() > 0:
+            expected = stablebuf.SnapshotMismatch
+        else:
+            expected = None
+        run(expected, lambda: stablebuf.unbind(tag))
+        if expected is None:
+            model.unbound = True
+    elif op == "sleep":
+        keep = rng.random() < 0.6
+        if model.asleep:
+            expected = None  # sleeping a sleeping region does nothing
+        elif model.unbound:
+            expected = stablebuf.Unbound
+        else:
+            expected = None
+        was_asleep = model.asleep
+        run(expected, lambda: stablebuf.sleep(tag, keep=keep))
+        if expected is None and not was_asleep:
+            model.asleep, model.kept = True, keep
+        assert stablebuf.stats()[tag]["asleep"] == model.asleep
+    elif op == "wake":
+        was_asleep = model.asleep
+        stablebuf.wake(tag)
+        if was_asleep:
+            model.asleep = False
+            model.follow_bound(carried=model.kept)
+        assert stablebuf.stats()[tag]["asleep"] is False
+    elif op == "replay":
+        model.out.fill_(float("nan"))
+        expected = model.expected_gate()
+        run(expected, model.graph.replay)
+        torch.cuda.synchronize()
+        if expected is None:
+            values = model.live().get(model.probe_id)
+            if values is not None:
+                assert torch.equal(model.out.cpu(), values * 2 + 1), f"{tag}: replay output"
+        else:
+            assert torch.isnan(model.out).all().item(), f"{tag}: a refused replay launched"
+    elif op == "compiled":
+        if compiled is None or tag != TAGS[0]:
+            return
+        expected = model.expected_gate()
+        result = run(expected, lambda: compiled(model.probe).clone())
+        if result is not None:
+            values = model.live().get(model.probe_id)
+            if values is not None:
+                want = (values * 3 + 1).to("cuda")
+                assert torch.allclose(result, want, rtol=1e-6, atol=1e-5), f"{tag}: compiled"
+    elif op == "drop_set":
+        bound = stablebuf.bound(tag)
+        candidates = [w for w in model.held if bound is None or w != bound]
+        if candidates:
+            victim = rng.choice(candidates)
+            model.held.remove(victim)
+            model.contents.pop(victim.id, None)
+
+
+def test_a_random_sequence_matches_the_model_with_no_memory_drift(torch):
+    seed = int(os.environ.get("STABLEBUF_SEED", time.time_ns() % (1 << 63)))
+    steps = int(os.environ.get("STABLEBUF_STEPS", "2000"))
+    print(f"test_random: seed {seed} (set STABLEBUF_SEED to replay), {steps} steps")
+    rng = random.Random(seed)
+    regions = {tag: RegionModel(torch, tag, rng) for tag in TAGS}
+
+    compiled = torch.compile(lambda t: t * 3 + 1, mode="reduce-overhead")
+    for _ in range(3):  # warm-up and recording while everything is awake
+        compiled(regions[TAGS[0]].probe).clone()
+    torch.cuda.synchronize()
+
+    def device_total() -> int:
+        torch.cuda.synchronize()
+        free, _ = torch.cuda.mem_get_info()
+        return free + sum(model.physical() for model in regions.values())
+
+    log: List[str] = []
+    baseline = None
+    refusals = 0
+    for index in range(steps):
+        before = len(log)
+        try:
+            step(torch, rng, regions, compiled, log)
+        except AssertionError as error:
+            raise AssertionError(
+                f"step {index} (seed {seed}): {log[before:]}: {error}; last steps {log[-10:]}"
+            ) from error
+        refusals += sum(1 for _ in log[before:])
+        if index % 100 == 99:
+            total = device_total()
+            baseline = total if baseline is None else baseline
+            drift = total - baseline
+            assert abs(drift) <= DRIFT_LIMIT, (
+                f"step {index} (seed {seed}): device memory drifted {drift / MiB:.1f} MiB from "
+                f"the model; last steps {log[-10:]}"
+            )
+    for model in regions.values():  # leave the regions awake and bound for other tests
+        stablebuf.wake(model.tag)
+        if model.unbound and model.held:
+            try:
+                stablebuf.bind(model.tag, model.held[0])
+            except stablebuf.SnapshotMismatch:
+                stablebuf.bind(model.tag, stablebuf.snapshot(model.tag))
+    counts: Dict[str, int] = {}
+    for entry in log:
+        counts[entry.split(": ")[1]] = counts.get(entry.split(": ")[1], 0) + 1
+    print(f"test_random: {steps} steps checked, operations {dict(sorted(counts.items()))}")
+
+
+def test_a_replay_thread_beside_a_bind_thread_always_sees_one_whole_weight_set(torch):
+    tag = "random_threads"
+    with stablebuf.region(tag):
+        weights = torch.randn(4 * MiB // 4, device="cuda") + 3.0
+    first_values = weights.detach().clone()
+    second = stablebuf.snapshot(tag)
+    first = stablebuf.bound(tag)
+    with stablebuf.writing(second):
+        weights.copy_(torch.randn_like(weights) - 3.0)
+    with stablebuf.writing(second):
+        second_values = weights.detach().clone()
+    outcomes = [(first_values * 2 + 1).cpu(), (second_values * 2 + 1).cpu()]
+
+    out = torch.empty_like(weights)
+    graph = stablebuf.CUDAGraph(tags=[tag])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out.copy_(weights * 2 + 1)
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        out.copy_(weights * 2 + 1)
+    torch.cuda.synchronize()
+
+    errors: List[BaseException] = []
+    seen = [0, 0]
+    stop = threading.Event()
+
+    def replays() -> None:
+        try:
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                for _ in range(300):
+                    out.fill_(float("nan"))
+                    graph.replay()
+                    got = out.cpu()  # synchronises this stream
+                    matches = [torch.equal(got, want) for want in outcomes]
+                    assert any(matches), "a replay saw neither weight set whole"
+                    seen[matches.index(True)] += 1
+        except BaseException as error:  # reported by the main thread
+            errors.append(error)
+        finally:
+            stop.set()
+
+    def binds() -> None:
+        try:
+            sets = [first, second]
+            index = 0
+            while not stop.is_set():
+                index += 1
+                stablebuf.bind(tag, sets[index % 2])
+        except BaseException as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=replays), threading.Thread(target=binds)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads), "a thread hung"
+    assert not errors, errors
+    assert seen[0] > 0 and seen[1] > 0, f"the binds never showed under the replays: {seen}"
+    stablebuf.bind(tag, first)
