@@ -1,5 +1,6 @@
 //! [`Snapshot`]: one physical allocation laid out like a region's span (a weight set).
 
+use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::CudaContext;
@@ -7,6 +8,9 @@ use cudarc::driver::CudaContext;
 use crate::driver;
 use crate::driver::vmm::{Mapping, Physical};
 use crate::error::Result;
+
+/// The region id of an imported snapshot: ids start at 1, so no region of this process has it.
+const IMPORTED: u64 = 0;
 
 /// A weight set: ONE physical allocation laid out like its region's used span, so binding it is
 /// one mapping whatever the number of allocations. Cheap to clone; the memory lives while any
@@ -77,6 +81,41 @@ impl Snapshot {
         let ptr = mapping.ptr();
         *home = Some(mapping);
         Ok(ptr)
+    }
+
+    /// Whether it was made exportable ([`Region::snapshot_shareable`](super::Region::snapshot_shareable)
+    /// or imported from another process).
+    pub fn is_shareable(&self) -> bool {
+        self.inner.physical.shareable()
+    }
+
+    /// A new POSIX file descriptor for this memory (`cuMemExportToShareableHandle`), to send
+    /// to another process ([`share::publish`](crate::share::publish) does). The descriptor is
+    /// owned: it closes on drop; the memory lives on in every process that imported it.
+    /// [`NotShareable`](crate::Error::NotShareable) unless made with
+    /// [`Region::snapshot_shareable`](super::Region::snapshot_shareable).
+    pub fn export(&self) -> Result<OwnedFd> {
+        self.inner.physical.export()
+    }
+
+    /// `bytes` of memory another process exported, imported into `ctx`
+    /// (`cuMemImportFromShareableHandle`; the descriptor stays the caller's). It belongs to no
+    /// region of this process (it cannot be bound here): reach it through
+    /// [`Snapshot::home_ptr`], which maps it read-write for `ctx`'s device.
+    pub(crate) fn import(ctx: &Arc<CudaContext>, fd: &OwnedFd, bytes: usize) -> Result<Self> {
+        let physical = Arc::new(Physical::import(ctx, fd, bytes)?);
+        Ok(Self::new(
+            crate::ids::next_id(),
+            IMPORTED,
+            ctx,
+            physical,
+            &[ctx.ordinal()],
+        ))
+    }
+
+    /// Whether it came from another process ([`Snapshot::import`]).
+    pub fn is_imported(&self) -> bool {
+        self.inner.region_id == IMPORTED
     }
 
     /// Whether `self` and `other` are handles to the same memory.
