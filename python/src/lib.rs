@@ -13,6 +13,7 @@
 
 pub mod abi;
 pub mod errors;
+pub mod publish;
 pub mod regions;
 pub mod stats;
 pub mod tags;
@@ -346,5 +347,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(host_arena, m)?)?;
     m.add_function(wrap_pyfunction!(owner, m)?)?;
     m.add_function(wrap_pyfunction!(driver_present, m)?)?;
+    publish::register(m)?;
     Ok(())
 }

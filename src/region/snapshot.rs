@@ -102,14 +102,21 @@ impl Snapshot {
     /// (`cuMemImportFromShareableHandle`; the descriptor stays the caller's). It belongs to no
     /// region of this process (it cannot be bound here): reach it through
     /// [`Snapshot::home_ptr`], which maps it read-write for `ctx`'s device.
-    pub(crate) fn import(ctx: &Arc<CudaContext>, fd: &OwnedFd, bytes: usize) -> Result<Self> {
+    /// `access` lists the devices that may read and write it once mapped (`ctx`'s device and,
+    /// say, a peer GPU whose kernels write into it over NVLink).
+    pub(crate) fn import(
+        ctx: &Arc<CudaContext>,
+        fd: &OwnedFd,
+        bytes: usize,
+        access: &[usize],
+    ) -> Result<Self> {
         let physical = Arc::new(Physical::import(ctx, fd, bytes)?);
         Ok(Self::new(
             crate::ids::next_id(),
             IMPORTED,
             ctx,
             physical,
-            &[ctx.ordinal()],
+            access,
         ))
     }
 

@@ -318,6 +318,20 @@ pub fn receive_weight_set(
     ctx: &Arc<CudaContext>,
     expect: &Expectation,
 ) -> Result<(Snapshot, SetOffer)> {
+    receive_weight_set_for(socket, ctx, expect, &[ctx.ordinal()])
+}
+
+/// [`receive_weight_set`] mapping the set for every device of `access` (ordinals; `ctx`'s
+/// device, where the memory lives, first): a trainer on a peer GPU then writes into it over
+/// NVLink. An empty list means `ctx`'s device alone.
+pub fn receive_weight_set_for(
+    socket: &UnixStream,
+    ctx: &Arc<CudaContext>,
+    expect: &Expectation,
+    access: &[usize],
+) -> Result<(Snapshot, SetOffer)> {
+    let own = [ctx.ordinal()];
+    let access = if access.is_empty() { &own[..] } else { access };
     let (message, mut fds) = receive(socket)?;
     let offer = match message {
         PublishMessage::Offer(offer) => offer,
@@ -336,7 +350,7 @@ pub fn receive_weight_set(
     };
     let imported = device_uuid(ctx)
         .and_then(|uuid| offer.check(expect, uuid))
-        .and_then(|()| Snapshot::import(ctx, &fd, offer.bytes as usize))
+        .and_then(|()| Snapshot::import(ctx, &fd, offer.bytes as usize, access))
         .and_then(|snapshot| snapshot.home_ptr().map(|_| snapshot));
     drop(fd); // the imported handle keeps the memory alive by itself
     match imported {
