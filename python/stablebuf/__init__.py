@@ -60,15 +60,21 @@ from ._api import (
 from ._native import (
     Asleep,
     Error,
+    OfferMismatch,
     OutOfMemory,
     OverBudget,
+    PeerClosed,
+    PublishError,
+    PublishTimeout,
     SnapshotMismatch,
     Unbound,
     UnknownTag,
+    VersionConflict,
     WeightSet,
     __version__,
     driver_present,
 )
+from . import publish  # noqa: E402  (weight publishing between processes; imports no torch)
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._graph import CUDAGraph
@@ -78,11 +84,16 @@ __all__ = [
     "CUDAGraph",
     "Error",
     "GuardedGraph",
+    "OfferMismatch",
     "OutOfMemory",
     "OverBudget",
+    "PeerClosed",
+    "PublishError",
+    "PublishTimeout",
     "SnapshotMismatch",
     "Unbound",
     "UnknownTag",
+    "VersionConflict",
     "WeightSet",
     "__version__",
     "bind",
@@ -93,6 +104,7 @@ __all__ = [
     "host_arena",
     "library_path",
     "pool",
+    "publish",
     "region",
     "reserve_host",
     "sleep",
