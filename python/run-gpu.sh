@@ -4,8 +4,8 @@
 #   python/run-gpu.sh <stablebuf wheel> [<folder of extra wheels, e.g. torch_memory_saver>]
 #
 # Installs the wheels into /tmp/site (pip --no-index --no-deps --target), then runs, with
-# timings: the capture probe, pytest (CPU and GPU tests), examples/weight_swap.py and
-# examples/sleep_wake.py. Logs go to $OUT when it is set (else /tmp/stablebuf-python-logs).
+# timings: the capture probe, pytest (CPU and GPU tests), examples/weight_swap.py,
+# examples/sleep_wake.py and examples/rl_weight_sync.py. Logs go to $OUT when it is set (else /tmp/stablebuf-python-logs).
 # Ends with `python GPU suite: N passed, M failed`; exits non-zero if anything failed.
 # Python: $PYTHON if set, else the first of python3 and /opt/torch/.venv/bin/python that
 # imports torch.
@@ -110,11 +110,15 @@ if "$python" -c "import torch_memory_saver" 2>/dev/null; then tms_flag=(--requir
 step "examples/sleep_wake.py" sleep_wake.log "$python" python/examples/sleep_wake.py "${tms_flag[@]}"
 count "sleep_wake" $?
 
+step "examples/rl_weight_sync.py" rl_weight_sync.log "$python" python/examples/rl_weight_sync.py
+count "rl_weight_sync" $?
+
 elapsed=$(($(date +%s) - suite_start))
 {
   echo "run-gpu: finished in ${elapsed} s"
   grep -h '^probe ' "$logs/probe.log" || true
   grep -h -E '^(weight_swap|sleep_wake):' "$logs/weight_swap.log" "$logs/sleep_wake.log" || true
+  grep -h -E '^rl_weight_sync: verdict' "$logs/rl_weight_sync.log" || true
   if [ ${#failures[@]} -gt 0 ]; then printf 'run-gpu: failed: %s\n' "${failures[@]}"; fi
   echo "python GPU suite: $passed passed, $failed failed"
 } | tee "$logs/summary.txt"

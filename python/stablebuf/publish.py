@@ -104,7 +104,7 @@ class Engine:
             entries.append(
                 Entry(
                     name,
-                    int(t.data_ptr()) - base,
+                    int(t.data_ptr()) - base if t.numel() > 0 else 0,  # empty: no address
                     tuple(t.shape),
                     tuple(t.stride()),
                     dtype_name(t.dtype),
