@@ -15,6 +15,7 @@ on fewer than two GPUs.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -257,13 +258,18 @@ class Peer:
         self.proc.stdin.flush()
 
     def finish(self, timeout: float = 60.0) -> int:
-        with __import__("contextlib").suppress(BrokenPipeError, OSError):
+        with contextlib.suppress(BrokenPipeError, OSError):
             self.proc.stdin.close()
-        return self.proc.wait(timeout=timeout)
+        status = self.proc.wait(timeout=timeout)
+        self.proc.stdout.close()
+        return status
 
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(timeout=30)
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            with contextlib.suppress(BrokenPipeError, OSError):
+                pipe.close()
 
 
 def _poll_until(engine, version: int, timeout: float = 60.0) -> None:

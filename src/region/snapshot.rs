@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::CudaContext;
 
 use crate::driver;
-use crate::driver::vmm::{Mapping, Physical};
+use crate::driver::vmm::{Mapping, Physical, Reservation};
 use crate::error::Result;
 
 /// The region id of an imported snapshot: ids start at 1, so no region of this process has it.
@@ -29,9 +29,12 @@ pub(super) struct SnapshotInner {
     pub(super) region_id: u64,
     ctx: Arc<CudaContext>,
     access: Vec<usize>,
-    // Field order is drop order: the home mapping goes before the memory it maps.
+    // Field order is drop order: the home mapping is unmapped first, then the memory is
+    // released, then the home address range is freed (the mapping holds the range too, but
+    // this last handle makes the range outlive the memory).
     home: Mutex<Option<Mapping>>,
     pub(super) physical: Arc<Physical>,
+    home_range: Mutex<Option<Arc<Reservation>>>,
 }
 
 impl Snapshot {
@@ -50,6 +53,7 @@ impl Snapshot {
                 access: access.to_vec(),
                 home: Mutex::new(None),
                 physical,
+                home_range: Mutex::new(None),
             }),
         }
     }
@@ -79,6 +83,11 @@ impl Snapshot {
         }
         let mapping = Mapping::alone(&self.inner.ctx, &self.inner.physical, &self.inner.access)?;
         let ptr = mapping.ptr();
+        *self
+            .inner
+            .home_range
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(mapping.reservation().clone());
         *home = Some(mapping);
         Ok(ptr)
     }
@@ -120,7 +129,8 @@ impl Snapshot {
         ))
     }
 
-    /// Whether it came from another process ([`Snapshot::import`]).
+    /// Whether it came from another process
+    /// ([`receive_weight_set`](crate::share::publish::receive_weight_set)).
     pub fn is_imported(&self) -> bool {
         self.inner.region_id == IMPORTED
     }
