@@ -6,12 +6,14 @@
 //! matches) is in the pure-Python `stablebuf/publish.py`; this file moves messages and memory.
 //! Sockets are owned here (std's `UnixStream`), so no descriptor crosses into Python.
 
+use std::collections::HashMap;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
+use stablebuf::cudarc::driver::CudaContext;
 use stablebuf::region::Snapshot;
 use stablebuf::share::publish::{self, Expectation, PublishMessage};
 use stablebuf::share::ProtocolError;
@@ -222,7 +224,7 @@ impl Channel {
         nbytes: Option<u64>,
         access: Option<Vec<usize>>,
     ) -> PyResult<ImportedWeightSet> {
-        let ctx = regions::device_context(device).map_err(PyErr::from)?;
+        let ctx = import_context(device)?;
         let expect = Expectation {
             tag,
             layout_fingerprint: fingerprint,
@@ -386,6 +388,24 @@ impl ImportedWeightSet {
             self.device
         )
     }
+}
+
+/// The (primary) context of `device` to import sets into. Not the regions' context: a
+/// trainer may import on the engine's GPU while its own regions live on another.
+fn import_context(device: i32) -> PyResult<Arc<CudaContext>> {
+    static CONTEXTS: OnceLock<Mutex<HashMap<usize, Arc<CudaContext>>>> = OnceLock::new();
+    let ordinal = usize::try_from(device)
+        .map_err(|_| PyValueError::new_err(format!("invalid device index {device}")))?;
+    let mut contexts = CONTEXTS
+        .get_or_init(Mutex::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    if let Some(ctx) = contexts.get(&ordinal) {
+        return Ok(ctx.clone());
+    }
+    let ctx = stablebuf::open_device(ordinal).map_err(publish_error)?;
+    contexts.insert(ordinal, ctx.clone());
+    Ok(ctx)
 }
 
 /// A weight set of `tag` that another process can import (`stablebuf.publish.Engine` makes

@@ -384,11 +384,6 @@ pub fn base(tag: &str) -> Result<u64, Failure> {
     Ok(region(tag)?.base())
 }
 
-/// The device's context (the one the regions use), opened if needed.
-pub fn device_context(device: i32) -> Result<Arc<CudaContext>, Failure> {
-    context(&mut state(), device)
-}
-
 /// The context of the region `tag` (where its weight sets live).
 pub fn device_context_of(tag: &str) -> Result<Arc<CudaContext>, Failure> {
     Ok(region(tag)?.context().clone())

@@ -87,6 +87,9 @@ class Engine:
     while the engine serves the other.
     """
 
+    #: Seconds a connecting trainer has to import the sets before it is dropped.
+    handshake_timeout = 60.0
+
     def __init__(self, tag: str, path: str, tensors: Any, *, sets: int = 2) -> None:
         if sets < 2:
             raise ValueError(f"sets={sets}: at least 2 (the trainer writes one, the engine serves one)")
@@ -184,16 +187,19 @@ class Engine:
             self._handshake(channel)
 
     def _handshake(self, channel: Any) -> None:
+        deadline = time.monotonic() + self.handshake_timeout
         try:
             channel.send_manifest(self.manifest.to_json())
             for ws in self._sets:
                 channel.offer(ws, self.manifest.fingerprint)
             for ws in self._sets:
+                # A trainer that never answers must not hang the serving loop.
+                _wait_for_message(channel, deadline, "the trainer to import the weight sets")
                 channel.wait_ack(ws.id)
             for ws in self._sets:
                 if ws.id != self._bound_id and not self._is_pending(ws.id):
                     channel.send("released", set=ws.id)
-        except PublishError:
+        except PublishError:  # PeerClosed, OfferMismatch, PublishTimeout included
             channel.close()
             raise
         self._channel = channel
