@@ -285,6 +285,8 @@ class Engine:
         before the sleep; returns the version now bound. Polls first."""
         with contextlib.suppress(PeerClosed):
             self.poll()
+        if not self._asleep:
+            return self._bound_version
         if self._pending is not None:
             set_id, version = self._pending
             _native.wake_onto(self.tag, self._by_id[set_id])

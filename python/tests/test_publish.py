@@ -422,6 +422,8 @@ def test_an_engine_killed_under_its_trainer_leaks_no_descriptors(torch, peer):
         finally:
             if engine.proc.poll() is None:
                 engine.kill()
+            else:
+                engine.finish()  # closes its pipes
 
     one_round(_socket_path("warm"), kill=False)  # the driver opens what it keeps open
     import gc
