@@ -10,6 +10,8 @@ and exits 0 only if everything it checked held. Roles:
   sleeps, to be killed mid-write.
 - ``mismatch PATH``: connects expecting another shape for one tensor: must get OfferMismatch.
 - ``second PATH``: connects to an engine that has a trainer: must be refused.
+- ``fanout PATH,PATH SEED``: one trainer process publishing to two engines (a Trainer each).
+- ``hangup PATH``: connects and closes at once, before the handshake.
 - ``engine PATH DEVICE SEED,SEED,...``: builds the model on DEVICE in a region, serves it with
   a captured graph, and checks each version it binds against the CPU reference; runs until
   killed or stdin closes.
@@ -157,6 +159,24 @@ def main(argv) -> int:
             return 0 if ok else 3
         say("connected: not refused")
         return 3
+    if role == "fanout":
+        # One trainer process, two engines: one Trainer per engine.
+        paths, seed = argv[2].split(","), int(argv[3])
+        trainers = [Trainer.connect(p, expect=expected()) for p in paths]
+        say("connected")
+        if not sys.stdin.readline():
+            return 2
+        for trainer in trainers:
+            trainer.publish(weights(seed), version=1)
+        say("published 1")
+        sys.stdin.read()
+        for trainer in trainers:
+            trainer.close()
+        return 0
+    if role == "hangup":
+        stablebuf._native.PublishChannel.connect(path).close()
+        say("hung up")
+        return 0
     if role == "engine":
         device = int(argv[3])
         seeds = [int(s) for s in argv[4].split(",")]

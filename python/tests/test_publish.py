@@ -9,7 +9,8 @@ GPU tests (skip with the reason without torch or a CUDA device): a trainer proce
 engine's captured graph replays on them, checked against CPU references with fresh random
 weights and a NaN-poisoned output; a trainer killed mid-write, an engine killed under its
 trainer (no descriptor leaked), a manifest mismatch, a version published twice, a second
-trainer, and the colocated sleep → publish → wake loop. The two-GPU test skips with its reason
+trainer (refused), one trainer publishing to two engines (supported: a Trainer each), a socket
+closed before the handshake, and the colocated sleep → publish → wake loop. The two-GPU test skips with its reason
 on fewer than two GPUs.
 """
 
@@ -375,6 +376,55 @@ def test_a_second_trainer_is_refused_and_the_first_keeps_publishing(torch, peer)
         assert first.finish() == 0
     finally:
         engine.close()
+
+
+@pytest.mark.gpu
+def test_a_socket_closed_before_the_handshake_is_peer_closed_and_changes_nothing(torch, peer):
+    tag, engine, served = _engine(peer, "hangup")
+    try:
+        early = Peer("hangup", engine.path)
+        early.expect("hung up")
+        assert early.finish() == 0
+        with pytest.raises(stablebuf.PeerClosed):
+            for _ in range(10_000):
+                engine.poll()
+                time.sleep(0.001)
+        assert not engine.connected
+        served.check(0, "after the early close")
+        trainer = Peer("trainer", engine.path, "55")
+        trainer.expect("connected", engine=engine)
+        trainer.tell()
+        trainer.expect("published 1")
+        _poll_until(engine, 1)
+        served.check(55, "the next trainer's weights")
+        trainer.expect("conflict-ok")
+        assert trainer.finish() == 0
+    finally:
+        engine.close()
+
+
+@pytest.mark.gpu
+def test_one_trainer_publishes_to_two_engines_with_a_trainer_each(torch, peer):
+    engines = [_engine(peer, f"fanout{i}") for i in range(2)]
+    paths = ",".join(engine.path for _, engine, _ in engines)
+    fanout = Peer("fanout", paths, "66")
+    try:
+        deadline = time.monotonic() + 120
+        while not all(engine.connected for _, engine, _ in engines):
+            assert time.monotonic() < deadline, "the trainer did not connect to both engines"
+            for _, engine, _ in engines:
+                engine.poll()
+            time.sleep(0.001)
+        fanout.expect("connected")
+        fanout.tell()
+        fanout.expect("published 1")
+        for _, engine, served in engines:
+            _poll_until(engine, 1)
+            served.check(66, f"engine {engine.tag}")
+        assert fanout.finish() == 0
+    finally:
+        for _, engine, _ in engines:
+            engine.close()
 
 
 @pytest.mark.gpu
