@@ -90,12 +90,15 @@ pub struct Listener {
 
 #[pymethods]
 impl Listener {
-    /// Binds `path` (a stale socket file there is replaced).
+    /// Binds `path` (a stale socket there is replaced).
     #[new]
     fn new(path: &str) -> PyResult<Self> {
         let io =
             |call: &'static str| move |source| publish_error(stablebuf::Error::Io { call, source });
-        if std::fs::symlink_metadata(path).is_ok() {
+        use std::os::unix::fs::FileTypeExt;
+        // A stale socket of an earlier engine is replaced; any other file is left alone (the
+        // bind below then fails with "address in use").
+        if std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket()) {
             std::fs::remove_file(path).map_err(io("unlink"))?;
         }
         let listener = UnixListener::bind(path).map_err(io("bind"))?;
