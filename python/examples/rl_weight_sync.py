@@ -247,6 +247,10 @@ def run_method(method, args, params, served, ctx) -> dict:
             wrong += 1
             print(f"{method}: version {version}: WRONG output: {error}")
         extra_memory = max(extra_memory, free_before - torch.cuda.mem_get_info()[0])
+    # Let go of the trainer's IPC memory before it exits (torch counts the references).
+    sources = where = None
+    torch.cuda.synchronize()
+    torch.cuda.ipc_collect()
     conn.send(("stop",))
     proc.join(timeout=120)
     if engine is not None:
