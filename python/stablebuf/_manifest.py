@@ -90,9 +90,7 @@ class Manifest:
     entries: Tuple[Entry, ...]
 
     @classmethod
-    def build(
-        cls, tag: str, nbytes: int, sets: int, entries: Iterable[Entry]
-    ) -> "Manifest":
+    def build(cls, tag: str, nbytes: int, sets: int, entries: Iterable[Entry]) -> "Manifest":
         """A manifest, checked: unique names, every tensor inside ``nbytes``, offsets aligned
         to the element size."""
         ordered = tuple(sorted(entries, key=lambda e: e.name))

@@ -92,7 +92,9 @@ class Engine:
 
     def __init__(self, tag: str, path: str, tensors: Any, *, sets: int = 2) -> None:
         if sets < 2:
-            raise ValueError(f"sets={sets}: at least 2 (the trainer writes one, the engine serves one)")
+            raise ValueError(
+                f"sets={sets}: at least 2 (the trainer writes one, the engine serves one)"
+            )
         torch = _api._torch()
         self.tag = tag
         base = _native.region_base(tag)
@@ -366,7 +368,9 @@ class Trainer:
                 manifest = Manifest.from_json(channel.receive_manifest())
             except ValueError as bad:
                 raise PublishError(str(bad)) from None
-            problem = None if expect is None else manifest.first_mismatch(expect, dtypes=check_dtypes)
+            problem = (
+                None if expect is None else manifest.first_mismatch(expect, dtypes=check_dtypes)
+            )
             if problem is not None:
                 channel.send("reject", reason=problem)
                 raise OfferMismatch(problem)
@@ -408,7 +412,9 @@ class Trainer:
             dtype = getattr(torch, e.dtype)
             piece = flat[e.offset : e.offset + max(e.span, 0)]
             typed = piece.view(dtype) if e.span else torch.empty(0, dtype=dtype, device=flat.device)
-            views[e.name] = typed.as_strided(e.shape, e.stride) if e.span else typed.reshape(e.shape)
+            views[e.name] = (
+                typed.as_strided(e.shape, e.stride) if e.span else typed.reshape(e.shape)
+            )
         return views
 
     # ----------------------------------------------------------------- publishing
@@ -467,7 +473,9 @@ class Trainer:
         self._torch.cuda.synchronize()
         self._torch.cuda.synchronize(self._sets[set_id].device)
 
-    def publish(self, weights: Mapping[str, Any], version: int, timeout: Optional[float] = 30.0) -> int:
+    def publish(
+        self, weights: Mapping[str, Any], version: int, timeout: Optional[float] = 30.0
+    ) -> int:
         """Copies ``weights`` (name → tensor; cast to the engine's dtypes) into a free set,
         synchronises and commits ``version``; returns the set's id. Every name and shape is
         checked before anything is written (:class:`OfferMismatch`)."""

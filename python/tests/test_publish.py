@@ -248,7 +248,9 @@ class Peer:
                 engine.poll()
             time.sleep(0.001)
         reader.join(timeout=1)
-        assert got and got[0], f"the peer said nothing (exit {self.proc.poll()}) waiting for {prefix}"
+        assert got and got[0], (
+            f"the peer said nothing (exit {self.proc.poll()}) waiting for {prefix}"
+        )
         line = got[0].strip()
         self.lines.append(line)
         assert line.startswith(prefix), f"expected `{prefix}`, the peer said `{line}`"
@@ -319,7 +321,7 @@ def test_each_published_version_is_bound_and_the_graph_replays_on_it(torch, peer
 
 @pytest.mark.gpu
 def test_a_trainer_killed_mid_write_leaves_the_engine_serving(torch, peer):
-    tag, engine, served = _engine(peer, "killed")
+    _tag, engine, served = _engine(peer, "killed")
     dying = Peer("die", engine.path, "777")
     try:
         dying.expect("ready", engine=engine)
@@ -347,7 +349,7 @@ def test_a_trainer_killed_mid_write_leaves_the_engine_serving(torch, peer):
 
 @pytest.mark.gpu
 def test_a_manifest_mismatch_is_refused_naming_the_tensor(torch, peer):
-    tag, engine, served = _engine(peer, "mismatch")
+    _tag, engine, served = _engine(peer, "mismatch")
     picky = Peer("mismatch", engine.path)
     try:
         with pytest.raises(stablebuf.PublishError):
@@ -361,7 +363,7 @@ def test_a_manifest_mismatch_is_refused_naming_the_tensor(torch, peer):
 
 @pytest.mark.gpu
 def test_a_second_trainer_is_refused_and_the_first_keeps_publishing(torch, peer):
-    tag, engine, served = _engine(peer, "second")
+    _tag, engine, served = _engine(peer, "second")
     first = Peer("trainer", engine.path, "99")
     try:
         first.expect("connected", engine=engine)
@@ -380,7 +382,7 @@ def test_a_second_trainer_is_refused_and_the_first_keeps_publishing(torch, peer)
 
 @pytest.mark.gpu
 def test_a_socket_closed_before_the_handshake_is_peer_closed_and_changes_nothing(torch, peer):
-    tag, engine, served = _engine(peer, "hangup")
+    _tag, engine, served = _engine(peer, "hangup")
     try:
         early = Peer("hangup", engine.path)
         early.expect("hung up")
@@ -429,7 +431,7 @@ def test_one_trainer_publishes_to_two_engines_with_a_trainer_each(torch, peer):
 
 @pytest.mark.gpu
 def test_colocated_sleep_publish_wake_serves_the_published_weights(torch, peer):
-    tag, engine, served = _engine(peer, "colocated")
+    _tag, engine, served = _engine(peer, "colocated")
     trainer = Peer("trainer", engine.path, "31,32")
     try:
         trainer.expect("connected", engine=engine)
@@ -516,7 +518,9 @@ def test_a_trainer_on_gpu0_publishes_into_an_engine_on_gpu1_over_peer_access(tor
             publish_s = time.perf_counter() - start
         engine.expect("served 1 ok")
         # Against a plain peer copy of the same bytes.
-        targets = {n: torch.empty_like(v, device="cuda:1", dtype=peer.SHAPES[n][1]) for n, v in new.items()}
+        targets = {
+            n: torch.empty_like(v, device="cuda:1", dtype=peer.SHAPES[n][1]) for n, v in new.items()
+        }
         torch.cuda.synchronize(1)
         start = time.perf_counter()
         for n, v in new.items():
