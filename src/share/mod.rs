@@ -13,7 +13,8 @@
 //!  wait_ack    ◀── Ack { dataset } ────────── send_ack
 //! ```
 //!
-//! The wire format is in [`protocol`].
+//! The wire format is in [`protocol`]. [`publish`] shares a region's weight sets the same way
+//! (RL weight sync: a trainer writes into an engine's spare set, the engine binds it).
 
 use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;

@@ -293,6 +293,12 @@ pub fn offer_weight_set(
         device_uuid: device_uuid(ctx)?,
     };
     send(socket, &PublishMessage::Offer(offer.clone()), Some(&fd))?;
+    tracing::debug!(
+        set = offer.set,
+        tag,
+        bytes = offer.bytes,
+        "weight set offered"
+    );
     Ok(offer)
 }
 
@@ -356,9 +362,11 @@ pub fn receive_weight_set_for(
     match imported {
         Ok(snapshot) => {
             send(socket, &PublishMessage::Ack { set: offer.set }, None)?;
+            tracing::debug!(set = offer.set, tag = %offer.tag, bytes = offer.bytes, "weight set imported");
             Ok((snapshot, offer))
         }
         Err(error) => {
+            tracing::warn!(set = offer.set, %error, "weight set offer refused");
             // Tell the engine why; a failure to tell it must not hide the real error.
             let reason = error.to_string();
             let _ = send(socket, &PublishMessage::Reject { reason }, None);
