@@ -478,6 +478,21 @@ mod tests {
         }
     }
 
+    proptest::proptest! {
+        /// Any bytes after a valid header decode to a message or a typed error, never a panic;
+        /// whatever decodes re-encodes to the same bytes.
+        #[test]
+        fn random_bodies_decode_or_fail_cleanly(kind in 0u8..8, tail in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..80)) {
+            let mut body = MAGIC.to_vec();
+            body.extend_from_slice(&PUBLISH_VERSION.to_le_bytes());
+            body.push(kind);
+            body.extend(tail);
+            if let Ok(message) = PublishMessage::decode(&body) {
+                proptest::prop_assert_eq!(message.encode(), body);
+            }
+        }
+    }
+
     #[test]
     fn dataset_messages_and_foreign_kinds_are_refused() {
         let dataset = super::super::Message::Ack { dataset: 1 }.encode();
