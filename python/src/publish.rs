@@ -163,17 +163,21 @@ impl From<UnixStream> for Channel {
 }
 
 impl Channel {
-    /// Runs `f` on the socket without the GIL.
+    /// Runs `f` on the socket without the GIL. The lock is taken without the GIL too: a thread
+    /// blocked in a receive holds it, and must be able to take the GIL back to return.
     fn with<T: Send>(
         &self,
         py: Python<'_>,
         f: impl FnOnce(&UnixStream) -> stablebuf::Result<T> + Send,
     ) -> PyResult<T> {
-        let guard = self.socket.lock().unwrap_or_else(|p| p.into_inner());
-        let Some(socket) = guard.as_ref() else {
-            return Err(closed());
-        };
-        py.detach(|| f(socket)).map_err(publish_error)
+        let outcome = py.detach(|| {
+            let guard = self.socket.lock().unwrap_or_else(|p| p.into_inner());
+            guard.as_ref().map(f)
+        });
+        match outcome {
+            None => Err(closed()),
+            Some(result) => result.map_err(publish_error),
+        }
     }
 }
 
@@ -307,20 +311,24 @@ impl Channel {
     }
 
     /// Closes the connection (idempotent).
-    fn close(&self) {
-        let mut guard = self.socket.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(socket) = guard.take() {
-            let _ = socket.shutdown(std::net::Shutdown::Both);
-        }
+    fn close(&self, py: Python<'_>) {
+        py.detach(|| {
+            let mut guard = self.socket.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(socket) = guard.take() {
+                let _ = socket.shutdown(std::net::Shutdown::Both);
+            }
+        });
     }
 
     /// Whether `close` was called.
     #[getter]
-    fn closed(&self) -> bool {
-        self.socket
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .is_none()
+    fn closed(&self, py: Python<'_>) -> bool {
+        py.detach(|| {
+            self.socket
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .is_none()
+        })
     }
 }
 
