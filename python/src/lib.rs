@@ -12,6 +12,7 @@
 //! C boundary; this file is the Python boundary.
 
 pub mod abi;
+pub mod dlpack;
 pub mod errors;
 pub mod publish;
 pub mod regions;

@@ -390,6 +390,35 @@ impl ImportedWeightSet {
         Ok(out)
     }
 
+    /// The whole set as a DLPack capsule (one-dimensional `uint8`): `torch.from_dlpack(imported)`
+    /// is a zero-copy tensor over it that keeps the set alive, with no NumPy needed. The set has
+    /// no work in flight when handed out, so `stream` needs no ordering.
+    #[pyo3(signature = (stream=None, max_version=None, dl_device=None, copy=None))]
+    fn __dlpack__<'py>(
+        &self,
+        py: Python<'py>,
+        stream: Option<&Bound<'py, PyAny>>,
+        max_version: Option<&Bound<'py, PyAny>>,
+        dl_device: Option<&Bound<'py, PyAny>>,
+        copy: Option<bool>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let _ = (stream, max_version, dl_device);
+        crate::dlpack::capsule(
+            py,
+            self.ptr,
+            self.snapshot.bytes(),
+            crate::dlpack::DEVICE_CUDA,
+            self.device,
+            copy,
+            self.snapshot.clone(),
+        )
+    }
+
+    /// `(kDLCUDA, device)`.
+    fn __dlpack_device__(&self) -> (i32, i32) {
+        (crate::dlpack::DEVICE_CUDA, self.device)
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "ImportedWeightSet(tag={:?}, set_id={}, nbytes={}, device={})",
@@ -464,6 +493,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Listener>()?;
     m.add_class::<Channel>()?;
     m.add_class::<ImportedWeightSet>()?;
+    m.add_class::<crate::dlpack::DlpackProbe>()?;
     m.add_function(wrap_pyfunction!(snapshot_shareable, m)?)?;
     m.add_function(wrap_pyfunction!(wake_onto, m)?)?;
     m.add_function(wrap_pyfunction!(region_base, m)?)?;

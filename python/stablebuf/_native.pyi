@@ -101,6 +101,27 @@ class ImportedWeightSet:
     def device(self) -> int: ...
     @property
     def __cuda_array_interface__(self) -> Dict[str, object]: ...
+    def __dlpack__(
+        self,
+        stream: Optional[object] = None,
+        max_version: Optional[object] = None,
+        dl_device: Optional[object] = None,
+        copy: Optional[bool] = None,
+    ) -> object: ...
+    def __dlpack_device__(self) -> Tuple[int, int]: ...
+
+class _DlpackProbe:
+    """Host bytes as a DLPack capsule: for the CPU test of the capsules only."""
+
+    def __init__(self, values: List[int]) -> None: ...
+    def __dlpack__(
+        self,
+        stream: Optional[object] = None,
+        max_version: Optional[object] = None,
+        dl_device: Optional[object] = None,
+        copy: Optional[bool] = None,
+    ) -> object: ...
+    def __dlpack_device__(self) -> Tuple[int, int]: ...
 
 class PublishChannel:
     @staticmethod

@@ -406,7 +406,9 @@ class Trainer:
 
     def _build_views(self, imported: Any) -> Dict[str, Any]:
         torch = self._torch
-        flat = torch.as_tensor(imported, device=f"cuda:{imported.device}")
+        # DLPack built in Rust over the imported mapping: zero-copy, keeps the set alive, and
+        # needs no NumPy (torch parses __cuda_array_interface__ with NumPy).
+        flat = torch.from_dlpack(imported)
         views = {}
         for e in self.manifest.entries:
             dtype = getattr(torch, e.dtype)

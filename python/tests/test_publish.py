@@ -200,6 +200,26 @@ def test_channels_leak_no_descriptors():
     assert len(os.listdir("/proc/self/fd")) == before
 
 
+def test_dlpack_capsules_are_zero_copy_and_keep_their_memory_alive():
+    torch = pytest.importorskip("torch")
+    values = list(range(1, 200))
+    probe = _native._DlpackProbe(values)
+    assert probe.__dlpack_device__() == (1, 0)
+    tensor = torch.from_dlpack(probe)
+    assert tensor.dtype == torch.uint8 and tensor.shape == (len(values),)
+    assert tensor.tolist() == values
+    again = torch.from_dlpack(probe)
+    assert again.data_ptr() == tensor.data_ptr(), "both views share the probe's bytes"
+    del probe  # the tensors keep the bytes alive
+    assert tensor[:3].tolist() == [1, 2, 3]
+    tensor[0] = 77
+    assert again[0].item() == 77
+    unused = _native._DlpackProbe([5]).__dlpack__()  # never consumed: freed by its destructor
+    del unused
+    with pytest.raises(BufferError):
+        _native._DlpackProbe([5]).__dlpack__(copy=True)
+
+
 # ------------------------------------------------------------------------------ GPU
 
 
