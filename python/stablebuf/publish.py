@@ -16,7 +16,7 @@ straight into the engine's spare weight sets, the engine binds them with one rem
 How it works: the engine makes ``sets`` exportable weight sets of its region and offers them
 over a Unix socket (the file descriptors ride along), with a manifest (tensor name → offset,
 shape, stride, dtype). The trainer imports every set, maps it read-write and builds ordinary
-torch tensors over it (zero-copy). To publish it takes a set the engine has released, copies its
+torch tensors over it (zero-copy: ``torch.from_dlpack`` of a capsule built in Rust). To publish it takes a set the engine has released, copies its
 weights in, synchronises, and commits the version. ``Engine.poll`` binds the newest committed
 set (its graphs replay on it from the next replay) and releases the set it replaced back to the
 trainer: with two sets that is a double buffer, and the trainer never writes the bound set.
