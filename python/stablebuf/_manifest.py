@@ -8,6 +8,7 @@ of the set, and checks the manifest against what it expects before writing anyth
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Tuple
@@ -88,6 +89,9 @@ class Manifest:
     #: How many sets the engine offers.
     sets: int
     entries: Tuple[Entry, ...]
+    #: The last version the engine has taken (a reconnecting trainer continues after it); not
+    #: part of the fingerprint.
+    published: int = 0
 
     @classmethod
     def build(cls, tag: str, nbytes: int, sets: int, entries: Iterable[Entry]) -> "Manifest":
@@ -119,6 +123,9 @@ class Manifest:
     def by_name(self) -> Dict[str, Entry]:
         return {e.name: e for e in self.entries}
 
+    def with_published(self, version: int) -> "Manifest":
+        return dataclasses.replace(self, published=version)
+
     def to_json(self) -> str:
         return json.dumps(
             {
@@ -126,6 +133,7 @@ class Manifest:
                 "tag": self.tag,
                 "nbytes": self.nbytes,
                 "sets": self.sets,
+                "published": self.published,
                 "fingerprint": self.fingerprint,
                 "entries": [_entry_row(e) for e in self.entries],
             },
@@ -147,6 +155,7 @@ class Manifest:
                 for n, o, s, st, t in raw["entries"]
             ]
             manifest = cls.build(str(raw["tag"]), int(raw["nbytes"]), int(raw["sets"]), entries)
+            manifest = manifest.with_published(int(raw.get("published", 0)))
         except (KeyError, TypeError, ValueError, json.JSONDecodeError) as bad:
             raise ValueError(f"malformed manifest: {bad}") from None
         if manifest.fingerprint != raw.get("fingerprint"):

@@ -191,7 +191,7 @@ class Engine:
     def _handshake(self, channel: Any) -> None:
         deadline = time.monotonic() + self.handshake_timeout
         try:
-            channel.send_manifest(self.manifest.to_json())
+            channel.send_manifest(self.manifest.with_published(self._versions.last).to_json())
             for ws in self._sets:
                 channel.offer(ws, self.manifest.fingerprint)
             for ws in self._sets:
@@ -329,7 +329,8 @@ class Trainer:
         self._torch = torch
         self._views: Dict[int, Dict[str, Any]] = {}
         self._free: List[int] = []
-        self._versions = VersionBook()
+        # Versions continue after what the engine has taken (from an earlier trainer, say).
+        self._versions = VersionBook(manifest.published)
 
     @classmethod
     def connect(

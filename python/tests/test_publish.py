@@ -53,6 +53,8 @@ def test_manifest_round_trips_and_its_fingerprint_follows_every_field():
     m = _manifest()
     again = Manifest.from_json(m.to_json())
     assert again == m and again.fingerprint == m.fingerprint
+    later = Manifest.from_json(m.with_published(7).to_json())
+    assert later.published == 7 and later.fingerprint == m.fingerprint
     assert m.by_name()["w2"].span == (7 * 1 + 1 * 8 + 1) * 4
     assert m.by_name()["empty"].span == 0
     changed = [
