@@ -125,7 +125,8 @@ fn ahead_rounds(
 ) -> Result<Timings> {
     let name = "stablebuf grow, new memory created ahead";
     let pool = ElasticPool::new(ctx, PoolOptions::default().create_ahead(true))?;
-    let tenant = pool.register(name, LARGE * count as usize)?;
+    // Room for every kept block and the profiled one after them.
+    let tenant = pool.register(name, LARGE * (count as usize + 1))?;
     let mut kept: Vec<Block> = Vec::new();
     let mut rounds = Vec::new();
     let bar = support::progress(count.into(), name);

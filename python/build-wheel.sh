@@ -37,7 +37,8 @@ python3 - "$wheel" <<'PY'
 import sys, zipfile
 names = set(zipfile.ZipFile(sys.argv[1]).namelist())
 need = ["stablebuf/__init__.py", "stablebuf/_api.py", "stablebuf/_graph.py",
-        "stablebuf/_native.abi3.so", "stablebuf/_native.pyi", "stablebuf/py.typed"]
+        "stablebuf/_guard.py", "stablebuf/_native.abi3.so", "stablebuf/_native.pyi",
+        "stablebuf/py.typed"]
 missing = [n for n in need if n not in names]
 if missing:
     sys.exit(f"build-wheel: the wheel lacks {missing}")

@@ -5,10 +5,13 @@
 #
 # Installs the wheels into /tmp/site (pip --no-index --no-deps --target), then runs, with
 # timings: the capture probe, pytest (CPU and GPU tests), examples/weight_swap.py,
-# examples/sleep_wake.py and examples/rl_weight_sync.py. Logs go to $OUT when it is set (else /tmp/stablebuf-python-logs).
+# examples/serve_finetunes.py, examples/sleep_wake.py and examples/rl_weight_sync.py. Logs go
+# to $OUT when it is set (else /tmp/stablebuf-python-logs).
 # Ends with `python GPU suite: N passed, M failed`; exits non-zero if anything failed.
-# Python: $PYTHON if set, else the first of python3 and /opt/torch/.venv/bin/python that
-# imports torch.
+# Python: $PYTHON if set, else python3; it must import torch. pytest runs the whole
+# python/tests folder: test_cpu.py, test_gpu.py, test_compiled.py (torch.compile, a plain
+# torch.cuda.CUDAGraph and a transformers Llama under the replay guard; the Llama test skips
+# without transformers) and test_guard_cpu.py.
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(dirname "$here")"
@@ -19,17 +22,9 @@ mkdir -p "$logs"
 site=/tmp/site
 suite_start=$(date +%s)
 
-python="${PYTHON:-}"
-if [ -z "$python" ]; then
-  for candidate in python3 /opt/torch/.venv/bin/python; do
-    if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c "import torch" 2>/dev/null; then
-      python="$candidate"
-      break
-    fi
-  done
-fi
-if [ -z "$python" ]; then
-  echo "run-gpu: no python with torch found (set PYTHON)"
+python="${PYTHON:-python3}"
+if ! "$python" -c "import torch" 2>/dev/null; then
+  echo "run-gpu: $python does not import torch (set PYTHON to a python that does)"
   echo "python GPU suite: 0 passed, 1 failed"
   exit 1
 fi
@@ -105,6 +100,9 @@ fi
 step "examples/weight_swap.py" weight_swap.log "$python" python/examples/weight_swap.py
 count "weight_swap" $?
 
+step "examples/serve_finetunes.py" serve_finetunes.log "$python" python/examples/serve_finetunes.py
+count "serve_finetunes" $?
+
 tms_flag=()
 if "$python" -c "import torch_memory_saver" 2>/dev/null; then tms_flag=(--require-tms); fi
 step "examples/sleep_wake.py" sleep_wake.log "$python" python/examples/sleep_wake.py "${tms_flag[@]}"
@@ -117,7 +115,8 @@ elapsed=$(($(date +%s) - suite_start))
 {
   echo "run-gpu: finished in ${elapsed} s"
   grep -h '^probe ' "$logs/probe.log" || true
-  grep -h -E '^(weight_swap|sleep_wake):' "$logs/weight_swap.log" "$logs/sleep_wake.log" || true
+  grep -h -E '^(weight_swap|serve_finetunes|sleep_wake):' "$logs/weight_swap.log" \
+    "$logs/serve_finetunes.log" "$logs/sleep_wake.log" || true
   grep -h -E '^rl_weight_sync: verdict' "$logs/rl_weight_sync.log" || true
   if [ ${#failures[@]} -gt 0 ]; then printf 'run-gpu: failed: %s\n' "${failures[@]}"; fi
   echo "python GPU suite: $passed passed, $failed failed"

@@ -165,10 +165,25 @@ fn transfers<'py>(py: Python<'py>, done: Vec<Transfer>) -> PyResult<Bound<'py, P
 /// Registers `tag` on CUDA device `device`, creating its region (`capacity` bytes of virtual
 /// addresses, 1 TiB by default: reserving costs no memory), and returns its allocator slot.
 /// Registering an existing tag returns its slot.
+/// With `last_use`, binds, sleeps and frees of the new region wait only for the uses noted
+/// with `note_use` (see `regions::register`).
 #[pyfunction]
-#[pyo3(signature = (tag, device, capacity=None))]
-fn register(py: Python<'_>, tag: &str, device: i32, capacity: Option<usize>) -> PyResult<usize> {
-    Ok(py.detach(|| regions::register(tag, device, capacity))?)
+#[pyo3(signature = (tag, device, capacity=None, last_use=false))]
+fn register(
+    py: Python<'_>,
+    tag: &str,
+    device: i32,
+    capacity: Option<usize>,
+    last_use: bool,
+) -> PyResult<usize> {
+    Ok(py.detach(|| regions::register(tag, device, capacity, last_use))?)
+}
+
+/// Notes that the work enqueued so far on `stream` used the regions of `tags` (matters for
+/// regions created with `last_use`: their binds wait only up to the last noted use).
+#[pyfunction]
+fn note_use(tags: Vec<String>, stream: usize) -> PyResult<()> {
+    Ok(regions::note_use(&tags, stream)?)
 }
 
 /// Registered tags, in slot order.
@@ -342,6 +357,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(bound, m)?)?;
     m.add_function(wrap_pyfunction!(unbind, m)?)?;
     m.add_function(wrap_pyfunction!(check_replayable, m)?)?;
+    m.add_function(wrap_pyfunction!(note_use, m)?)?;
     m.add_function(wrap_pyfunction!(region_stats, m)?)?;
     m.add_function(wrap_pyfunction!(timeline_svg, m)?)?;
     m.add_function(wrap_pyfunction!(reserve_host, m)?)?;

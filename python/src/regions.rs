@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use stablebuf::cudarc::driver::{sys, CudaContext, CudaStream};
 use stablebuf::region::{timeline_svg, Region, RegionOptions, RegionStats, Snapshot};
-use stablebuf::{HostArena, HostStorage, StorageUsed, TransferReport};
+use stablebuf::{FencePolicy, HostArena, HostStorage, StorageUsed, TransferReport};
 
 use crate::errors::{Failure, Kind};
 use crate::tags::{Reserved, TagTable};
@@ -83,7 +83,16 @@ fn context(state: &mut State, device: i32) -> Result<Arc<CudaContext>, Failure> 
 
 /// Registers `tag` on `device` (creating its region, `capacity` bytes of addresses) and
 /// returns its allocator slot. Registering an existing tag returns its slot.
-pub fn register(tag: &str, device: i32, capacity: Option<usize>) -> Result<usize, Failure> {
+/// With `last_use`, the region's fence is [`FencePolicy::LastUse`]: a bind, sleep or free waits
+/// only for the uses noted with [`note_use`] (guarded replays note theirs), so a bind of this
+/// region overlaps a replay over another region queued after its last use. Only a new region
+/// takes the option; an existing tag keeps the fence it was created with.
+pub fn register(
+    tag: &str,
+    device: i32,
+    capacity: Option<usize>,
+    last_use: bool,
+) -> Result<usize, Failure> {
     let mut state = state();
     if state.table.slot(tag).is_some() {
         // Only checks the device: an existing tag creates nothing.
@@ -94,6 +103,9 @@ pub fn register(tag: &str, device: i32, capacity: Option<usize>) -> Result<usize
     let mut options = RegionOptions::default();
     if let Some(capacity) = capacity {
         options = options.capacity(capacity);
+    }
+    if last_use {
+        options = options.fence(FencePolicy::LastUse);
     }
     state.table.register(tag, device, || {
         Region::new(&ctx, tag, options).map_err(|e| failure(e, Some(&ctx)))
@@ -164,6 +176,18 @@ pub fn free(address: u64) -> Result<usize, Failure> {
             )
         })?;
     region.free(address).map_err(|e| failure(e, None))
+}
+
+/// Notes that the work enqueued so far on `stream` (PyTorch's stream handle) used the regions
+/// of `tags`: a later bind, sleep or free of a region created with `last_use` waits up to here
+/// on that stream (an event; nothing waits now). A no-op for the other regions.
+pub fn note_use<S: AsRef<str>>(tags: &[S], stream: usize) -> Result<(), Failure> {
+    for region in regions(tags)? {
+        region.note_use(stream as u64).map_err(|e| {
+            failure(e, None).context(format_args!("noting a use of `{}`", region.tag()))
+        })?;
+    }
+    Ok(())
 }
 
 /// The tag of the region whose reservation holds `address`.
@@ -490,7 +514,7 @@ mod tests {
         if stablebuf::driver_present() {
             return; // a GPU machine: test_gpu.py covers registration
         }
-        let failure = register("weights", 0, None).unwrap_err();
+        let failure = register("weights", 0, None, false).unwrap_err();
         assert!(failure.message.contains("CUDA driver"), "{failure}");
         assert!(!tags().contains(&"weights".to_string()));
         assert!(reserve_host(1 << 20, 0).is_err());

@@ -9,8 +9,11 @@ graphs captured over them:
   graphs work after the wake.
 - :func:`snapshot` / :func:`bind`: keep several weight sets of a region resident and swap them
   under a captured graph with one remap, no copy and no re-capture.
-- :class:`CUDAGraph` / :func:`guard`: a replay while a region is asleep or unbound raises
-  :class:`Asleep` / :class:`Unbound` instead of killing the CUDA context.
+- the replay guard: from the first region on, every PyTorch CUDA graph replay (a plain
+  ``torch.cuda.CUDAGraph``, :class:`CUDAGraph`, ``torch.compile(mode="reduce-overhead")``'s
+  graphs) made while a region it uses is asleep or unbound raises :class:`Asleep` /
+  :class:`Unbound` before launching anything, instead of killing the CUDA context
+  (:func:`graph_tags`, :func:`guard_stats`; :func:`guard_module` for eager forwards).
 
 ::
 
@@ -38,6 +41,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ._api import (
+    CaptureActive,
     GuardedGraph,
     bind,
     bound,
@@ -45,6 +49,7 @@ from ._api import (
     guard,
     host_arena,
     library_path,
+    note_use,
     pool,
     region,
     reserve_host,
@@ -57,6 +62,7 @@ from ._api import (
     wake,
     writing,
 )
+from ._guard import graph_tags, guard_module, guard_stats
 from ._native import (
     Asleep,
     Error,
@@ -82,6 +88,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "Asleep",
     "CUDAGraph",
+    "CaptureActive",
     "Error",
     "GuardedGraph",
     "OfferMismatch",
@@ -100,9 +107,13 @@ __all__ = [
     "bound",
     "check",
     "driver_present",
+    "graph_tags",
     "guard",
+    "guard_module",
+    "guard_stats",
     "host_arena",
     "library_path",
+    "note_use",
     "pool",
     "publish",
     "region",

@@ -10,7 +10,7 @@ import threading
 import warnings
 from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
-from . import _native
+from . import _guard, _native
 from ._native import Error, WeightSet
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -24,6 +24,35 @@ Tags = Union[str, Iterable[str]]
 _POOLS: Dict[str, Tuple[Any, Any]] = {}
 _POOLS_LOCK = threading.Lock()
 _EXPANDABLE_WARNED = False
+
+
+class CaptureActive(Error):
+    """A call that unmaps, maps or copies region memory (``sleep``, ``wake``, ``bind``,
+    ``unbind``, ``snapshot``) came while a CUDA graph capture is under way on the current
+    stream; nothing was changed."""
+
+
+CaptureActive.__module__ = "stablebuf"
+
+
+def _refuse_during_capture(call: str) -> None:
+    """Raise :class:`CaptureActive` if the current stream is capturing a CUDA graph: a remap
+    or a copy now would be captured into (or break) the graph being recorded."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return  # without torch nothing can be capturing through PyTorch
+    try:
+        if not torch.cuda.is_initialized():
+            return
+        capturing = bool(torch.cuda.is_current_stream_capturing())
+    except Exception:  # noqa: BLE001 - a torch without CUDA: no capture can be under way
+        return
+    if capturing:
+        raise CaptureActive(
+            f"stablebuf.{call}() was called while a CUDA graph capture is under way on the "
+            "current stream; nothing was changed: call it before the capture begins or after "
+            "it ends"
+        )
 
 
 def _as_tags(tags: Tags) -> List[str]:
@@ -110,27 +139,51 @@ def _expandable_segments_off(torch: Any) -> Iterator[None]:
         setter("expandable_segments:True")
 
 
-def pool(tag: str, *, capacity: Optional[int] = None) -> "torch.cuda.MemPool":
+_FENCES = ("device", "last-use")
+
+
+def _last_use(fence: str) -> bool:
+    if fence not in _FENCES:
+        raise ValueError(f"fence must be one of {_FENCES}, not {fence!r}")
+    return fence == "last-use"
+
+
+def pool(
+    tag: str, *, capacity: Optional[int] = None, fence: str = "device"
+) -> "torch.cuda.MemPool":
     """The ``torch.cuda.MemPool`` whose memory comes from region ``tag`` (created on first use,
     on the current CUDA device, with ``capacity`` bytes of addresses; 1 TiB by default, which
     costs no memory).
+
+    ``fence`` (used when the region is created) says what a bind, sleep or free waits for
+    before it unmaps: ``"device"`` (default) all work on the device, which cannot miss a use;
+    ``"last-use"`` only the uses noted on each stream — guarded replays (every
+    ``torch.cuda.CUDAGraph`` over a region, ``torch.compile(mode="reduce-overhead")`` calls),
+    :func:`writing` blocks, and :func:`note_use` for anything else — so
+    a bind overlaps a replay over another region queued after its last use (see
+    ``examples/weight_swap.py``, pipelined). An eager kernel over a ``"last-use"`` region that
+    nobody noted is not waited for.
 
     Pass ``pool(tag).id`` to ``torch.cuda.graph(g, pool=...)`` to put a graph's own memory
     (activations, outputs) in a region that can sleep: see the README for what the capture
     probe found.
     """
+    last_use = _last_use(fence)
     with _POOLS_LOCK:
         found = _POOLS.get(tag)
         if found is not None:
             return found[1]
         torch = _torch()
-        slot = _native.register(tag, _current_device(), capacity)
+        slot = _native.register(tag, _current_device(), capacity, last_use)
         allocator = torch.cuda.memory.CUDAPluggableAllocator(
             library_path(), _native.alloc_symbol(slot), _native.FREE_SYMBOL
         )
         mem_pool = torch.cuda.MemPool(allocator.allocator())
         _POOLS[tag] = (allocator, mem_pool)
-        return mem_pool
+        _guard.note_region_created()
+    # From the first region on, every CUDA graph replay and compiled call checks its regions.
+    _guard.install()
+    return mem_pool
 
 
 def _warn_free_errors() -> None:
@@ -139,7 +192,9 @@ def _warn_free_errors() -> None:
 
 
 @contextlib.contextmanager
-def region(tag: str, *, capacity: Optional[int] = None) -> Iterator["torch.cuda.MemPool"]:
+def region(
+    tag: str, *, capacity: Optional[int] = None, fence: str = "device"
+) -> Iterator["torch.cuda.MemPool"]:
     """Allocate every CUDA tensor made in this block (on this thread) in region ``tag``.
 
     The region is one reservation of device addresses; its allocations sit side by side, at
@@ -153,7 +208,7 @@ def region(tag: str, *, capacity: Optional[int] = None) -> Iterator["torch.cuda.
     ``__cause__``.
     """
     torch = _torch()
-    mem_pool = pool(tag, capacity=capacity)
+    mem_pool = pool(tag, capacity=capacity, fence=fence)
     _native.check_replayable([tag])
     _native.take_alloc_error()  # a stale failure must not be blamed on this block
     try:
@@ -187,6 +242,7 @@ def sleep(tags: Tags, keep: bool = True) -> Dict[str, Dict[str, Any]]:
     "gb_per_s", "storage"}}``.
     """
     names = _as_tags(tags)
+    _refuse_during_capture("sleep")
     try:
         return _native.sleep(names, keep, _current_stream())
     finally:
@@ -200,7 +256,9 @@ def wake(tags: Tags) -> Dict[str, Dict[str, Any]]:
     Waking an awake region does nothing. On :class:`OutOfMemory` the failing region (and those
     after it) stays asleep with its host copy: free memory and call ``wake`` again.
     """
-    return _native.wake(_as_tags(tags), _current_stream())
+    names = _as_tags(tags)
+    _refuse_during_capture("wake")
+    return _native.wake(names, _current_stream())
 
 
 def snapshot(tag: str) -> WeightSet:
@@ -211,6 +269,7 @@ def snapshot(tag: str) -> WeightSet:
     :func:`bind`. The first snapshot also folds the region's backing into one allocation, so
     every later bind is one mapping.
     """
+    _refuse_during_capture("snapshot")
     return _native.snapshot(tag, _current_stream())
 
 
@@ -222,6 +281,7 @@ def bind(tag: str, weights: WeightSet) -> Optional[WeightSet]:
     (never unmaps under a running kernel). Raises :class:`SnapshotMismatch` for a weight set of
     another region, or when the region grew past the weight set (take a new snapshot).
     """
+    _refuse_during_capture("bind")
     return _native.bind(tag, weights)
 
 
@@ -233,6 +293,7 @@ def bound(tag: str) -> Optional[WeightSet]:
 def unbind(tag: str) -> None:
     """Unmap region ``tag``'s weight set (keep :func:`bound` first to bind it back). Graphs
     guarded by the tag raise :class:`Unbound` until the next :func:`bind`."""
+    _refuse_during_capture("unbind")
     _native.unbind(tag)
 
 
@@ -251,8 +312,20 @@ def writing(weights: WeightSet) -> Iterator[WeightSet]:
     try:
         yield weights
     finally:
+        # The writes were eager: a "last-use" region's bind must wait for them.
+        note_use([weights.tag])
         if previous is not None:
             bind(weights.tag, previous)
+
+
+def note_use(tags: Tags) -> None:
+    """Note that the work queued so far on the current stream used the regions ``tags``.
+
+    Only regions made with ``fence="last-use"`` care: their binds, sleeps and frees wait for
+    the last noted use on each stream (an event), not for the whole device. Guarded replays
+    and :func:`writing` note their uses themselves; call this after eager work over such a
+    region."""
+    _native.note_use(_as_tags(tags), _current_stream())
 
 
 def check(tags: Tags) -> None:
@@ -315,8 +388,11 @@ class GuardedGraph:
 
     def replay(self) -> None:
         """Replay the graph, or raise :class:`Asleep` / :class:`Unbound` without launching."""
-        _native.check_replayable(list(self.tags))
-        self.graph.replay()
+        tags = list(self.tags)
+        _guard.check(tags)
+        with _guard.already_checked(self.tags):
+            self.graph.replay()
+        _guard.note_use(tags)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.graph, name)
@@ -330,5 +406,9 @@ def guard(graph: Any, tags: Optional[Tags] = None) -> GuardedGraph:
     :class:`Unbound` instead of faulting when a region it uses is asleep or unbound.
 
     ``tags`` are the regions the graph reads or writes; by default every region that exists
-    now (safe, but then sleeping any region blocks the replay)."""
-    return GuardedGraph(graph, _native.tags() if tags is None else tags)
+    now (safe, but then sleeping any region blocks the replay). The tags are also recorded
+    as the graph's own (:func:`graph_tags`), so a replay of the unwrapped graph checks the same
+    regions."""
+    guarded = GuardedGraph(graph, _native.tags() if tags is None else tags)
+    _guard.set_graph_tags_if_possible(graph, guarded.tags)
+    return guarded

@@ -6,7 +6,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import _native
+from . import _guard, _native
 from ._api import Tags, _as_tags
 
 
@@ -33,27 +33,38 @@ class CUDAGraph(torch.cuda.CUDAGraph):
 
     def __init__(self, tags: Optional[Tags] = None, keep_graph: bool = False) -> None:
         super().__init__(keep_graph)
-        self._guarded: Optional[Tuple[str, ...]] = None if tags is None else tuple(_as_tags(tags))
+        # The set lives in the process-wide guard's record of this graph (graph_tags), so the
+        # guard of every torch.cuda.CUDAGraph replay and this class agree on it.
+        self._guards_every_region = tags is None
+        if tags is not None:
+            _guard.graph_tags(self, tags)
 
     @property
     def guarded_tags(self) -> Tuple[str, ...]:
         """The regions whose state ``replay()`` checks."""
-        if self._guarded is None:
+        tags = _guard.graph_tags(self)
+        if tags is None or self._guards_every_region:
             return tuple(_native.tags())
-        return self._guarded
+        return tags
 
     def guard(self, tags: Tags) -> "CUDAGraph":
         """Set the regions this graph uses (replacing the previous set); returns the graph."""
-        self._guarded = tuple(_as_tags(tags))
+        self._guards_every_region = False
+        _guard.graph_tags(self, _as_tags(tags))
         return self
 
     def capture_end(self) -> None:
         """End the capture; with no tags given, the graph now guards every existing region."""
         super().capture_end()
-        if self._guarded is None:
-            self._guarded = tuple(_native.tags())
+        if self._guards_every_region:
+            self._guards_every_region = False
+            _guard.graph_tags(self, _native.tags())
 
     def replay(self) -> None:
         """Replay, or raise ``Asleep``/``Unbound`` without launching anything."""
-        _native.check_replayable(list(self.guarded_tags))
-        super().replay()
+        tags = self.guarded_tags
+        _guard.check(tags)
+        with _guard.already_checked(tags):
+            super().replay()
+        # Regions with fence="last-use" wait for this replay (and no more) before a remap.
+        _guard.note_use(tags)

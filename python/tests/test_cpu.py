@@ -61,6 +61,7 @@ def test_exceptions_form_one_hierarchy_under_error():
         lambda: stablebuf.unbind("no-such-tag"),
         lambda: stablebuf.check("no-such-tag"),
         lambda: stablebuf.guard(object(), ["no-such-tag"]).replay(),
+        lambda: stablebuf.note_use(["no-such-tag"]),
     ],
 )
 def test_unknown_tags_raise_unknown_tag_naming_the_tag(call):
@@ -84,6 +85,12 @@ def test_empty_tag_lists_do_nothing():
     assert stablebuf.sleep([]) == {}
     assert stablebuf.wake([]) == {}
     stablebuf.check([])
+
+
+def test_a_fence_that_does_not_exist_is_refused_before_anything_is_created():
+    with pytest.raises(ValueError, match="last-use"):
+        stablebuf.pool("weights", fence="last use")
+    assert stablebuf.tags() == []
 
 
 def test_guard_checks_before_launching():

@@ -226,6 +226,60 @@ def test_weight_set_swap_under_a_graph_equals_eager_with_that_set(torch):
             torch.testing.assert_close(out, reference(x), rtol=1e-4, atol=1e-4)
 
 
+def test_a_last_use_bind_waits_for_the_noted_replay_and_not_for_later_work(torch):
+    # Two regions with the "last-use" fence, a long graph over each, queued back to back.
+    # Binding the first region must wait for its replay (noted by the guarded replay), so that
+    # replay reads the old weight set; it must not wait for the other region's replay queued
+    # after it, which is still running when the bind returns.
+    n, rounds = 4096, 24
+
+    def chain(w, x):
+        out = x
+        for _ in range(rounds):
+            out = torch.tanh(out @ w)
+        return out
+
+    graphs, outs, weights, inputs = [], [], [], []
+    for tag in ("last_use_a", "last_use_b"):
+        with stablebuf.region(tag, fence="last-use"):
+            w = torch.randn(n, n, device="cuda") / n**0.5
+        x = torch.randn(n, n, device="cuda")
+        g = stablebuf.CUDAGraph(tags=[tag])
+        with torch.no_grad():
+            out = _warm_then_capture(torch, g, lambda w=w, x=x: chain(w, x))
+        stablebuf.note_use([tag])  # the warm-up read the weights eagerly
+        graphs.append(g)
+        outs.append(out)
+        weights.append(w)
+        inputs.append(x)
+    first_values = weights[0].detach().clone()
+    first_set = stablebuf.bound("last_use_a")
+    second_set = stablebuf.snapshot("last_use_a")
+    second_values = torch.randn(n, n, device="cuda") / n**0.5
+    with stablebuf.writing(second_set):
+        weights[0].copy_(second_values)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(weights[0], first_values, rtol=0, atol=0)
+
+    for out in outs:
+        out.fill_(float("nan"))
+    graphs[0].replay()  # on the first weight set
+    on_first = outs[0].clone()  # stream order: after that replay, before the next one
+    graphs[1].replay()  # queued behind it, over the other region
+    assert stablebuf.bind("last_use_a", second_set) == first_set
+    still_running = not torch.cuda.current_stream().query()
+    graphs[0].replay()  # on the second weight set
+    on_second = outs[0].clone()
+    torch.cuda.synchronize()
+    assert still_running, "the bind waited for work queued after the region's last use"
+    with torch.no_grad():
+        torch.testing.assert_close(on_first, chain(first_values, inputs[0]), rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(on_second, chain(second_values, inputs[0]), rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(outs[1], chain(weights[1], inputs[1]), rtol=1e-3, atol=1e-3)
+    stablebuf.bind("last_use_a", first_set)
+    torch.testing.assert_close(weights[0], first_values, rtol=0, atol=0)
+
+
 def test_graph_memory_in_a_region_can_be_discarded_and_replayed(torch):
     with stablebuf.region("act_weights"):
         w = torch.randn(2048, 2048, device="cuda") / 45
