@@ -5,8 +5,8 @@
 #
 # Installs the wheels into /tmp/site (pip --no-index --no-deps --target), then runs, with
 # timings: the capture probe, pytest (CPU and GPU tests), examples/weight_swap.py,
-# examples/serve_finetunes.py and examples/sleep_wake.py. Logs go to $OUT when it is set
-# (else /tmp/stablebuf-python-logs).
+# examples/serve_finetunes.py, examples/sleep_wake.py and examples/rl_weight_sync.py. Logs go
+# to $OUT when it is set (else /tmp/stablebuf-python-logs).
 # Ends with `python GPU suite: N passed, M failed`; exits non-zero if anything failed.
 # Python: $PYTHON if set, else python3; it must import torch. pytest runs the whole
 # python/tests folder: test_cpu.py, test_gpu.py, test_compiled.py (torch.compile, a plain
@@ -108,12 +108,16 @@ if "$python" -c "import torch_memory_saver" 2>/dev/null; then tms_flag=(--requir
 step "examples/sleep_wake.py" sleep_wake.log "$python" python/examples/sleep_wake.py "${tms_flag[@]}"
 count "sleep_wake" $?
 
+step "examples/rl_weight_sync.py" rl_weight_sync.log "$python" python/examples/rl_weight_sync.py
+count "rl_weight_sync" $?
+
 elapsed=$(($(date +%s) - suite_start))
 {
   echo "run-gpu: finished in ${elapsed} s"
   grep -h '^probe ' "$logs/probe.log" || true
   grep -h -E '^(weight_swap|serve_finetunes|sleep_wake):' "$logs/weight_swap.log" \
     "$logs/serve_finetunes.log" "$logs/sleep_wake.log" || true
+  grep -h -E '^rl_weight_sync: verdict' "$logs/rl_weight_sync.log" || true
   if [ ${#failures[@]} -gt 0 ]; then printf 'run-gpu: failed: %s\n' "${failures[@]}"; fi
   echo "python GPU suite: $passed passed, $failed failed"
 } | tee "$logs/summary.txt"

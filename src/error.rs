@@ -204,6 +204,19 @@ pub enum Error {
         space_layout: u64,
     },
 
+    /// A published weight set does not match what the importing process expects; `what` names
+    /// the first field that differs (`"layout fingerprint"`, `"bytes"`, `"tag"`). Nothing was
+    /// imported.
+    #[error("the offered weight set differs in its {what}: expected {expected}, offered {found}")]
+    OfferMismatch {
+        /// The field that differs.
+        what: &'static str,
+        /// What this process expected, as text.
+        expected: String,
+        /// What the peer offered, as text.
+        found: String,
+    },
+
     /// A device ordinal past the devices this process sees.
     #[error("device {ordinal} does not exist ({count} CUDA devices)")]
     NoSuchDevice {

@@ -96,7 +96,8 @@
 //! [`DeviceBuffer`] trait, checked copies, the plain `cuMemAlloc` baseline), [`vmm`] (raw
 //! reservations, chunks and mappings, to build your own layouts or measure the driver floor),
 //! [`kernels`] (the PTX and how it was compiled), [`pool`] (statistics and events of elastic
-//! memory), [`region`], [`share`] (the wire protocol) and [`layout`] (placement arithmetic).
+//! memory), [`region`], [`share`] (the wire protocol, and [`share::publish`]: weight sets
+//! published to another process) and [`layout`] (placement arithmetic).
 //!
 //! ## Logging
 //! Every driver call runs in a `debug` span of the `tracing` crate named after the call, with

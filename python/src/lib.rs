@@ -12,7 +12,9 @@
 //! C boundary; this file is the Python boundary.
 
 pub mod abi;
+pub mod dlpack;
 pub mod errors;
+pub mod publish;
 pub mod regions;
 pub mod stats;
 pub mod tags;
@@ -362,5 +364,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(host_arena, m)?)?;
     m.add_function(wrap_pyfunction!(owner, m)?)?;
     m.add_function(wrap_pyfunction!(driver_present, m)?)?;
+    publish::register(m)?;
     Ok(())
 }

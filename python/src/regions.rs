@@ -386,6 +386,38 @@ pub fn snapshot(tag: &str, stream: usize) -> Result<Snapshot, Failure> {
         .map_err(|e| failure(e, Some(region.context())))
 }
 
+/// A weight set of `tag` in memory another process can import (the publish path).
+pub fn snapshot_shareable(tag: &str, stream: usize) -> Result<Snapshot, Failure> {
+    let region = region(tag)?;
+    let stream = borrowed_stream(region.context(), stream);
+    region
+        .snapshot_shareable(&stream)
+        .map_err(|e| failure(e, Some(region.context())))
+}
+
+/// Wakes the sleeping region `tag` straight onto `weights` (one mapping, no copy).
+pub fn wake_onto(tag: &str, weights: &Snapshot) -> Result<(), Failure> {
+    let region = region(tag)?;
+    region
+        .wake_onto(weights)
+        .map_err(|e| failure(e, Some(region.context())))
+}
+
+/// The first address of `tag`'s reservation: manifests give offsets from it.
+pub fn base(tag: &str) -> Result<u64, Failure> {
+    Ok(region(tag)?.base())
+}
+
+/// The context of the region `tag` (where its weight sets live).
+pub fn device_context_of(tag: &str) -> Result<Arc<CudaContext>, Failure> {
+    Ok(region(tag)?.context().clone())
+}
+
+/// A core error as a [`Failure`] (for the publish bindings).
+pub fn core_failure(error: stablebuf::Error) -> Failure {
+    failure(error, None)
+}
+
 /// Binds `weights` (taken from region `weights_tag`) under `tag`'s addresses and returns the
 /// weight set that was bound before (`None` if the region had none).
 pub fn bind(tag: &str, weights: &Snapshot, weights_tag: &str) -> Result<Option<Snapshot>, Failure> {

@@ -66,15 +66,21 @@ from ._guard import graph_tags, guard_module, guard_stats
 from ._native import (
     Asleep,
     Error,
+    OfferMismatch,
     OutOfMemory,
     OverBudget,
+    PeerClosed,
+    PublishError,
+    PublishTimeout,
     SnapshotMismatch,
     Unbound,
     UnknownTag,
+    VersionConflict,
     WeightSet,
     __version__,
     driver_present,
 )
+from . import publish  # noqa: E402  (weight publishing between processes; imports no torch)
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._graph import CUDAGraph
@@ -85,11 +91,16 @@ __all__ = [
     "CaptureActive",
     "Error",
     "GuardedGraph",
+    "OfferMismatch",
     "OutOfMemory",
     "OverBudget",
+    "PeerClosed",
+    "PublishError",
+    "PublishTimeout",
     "SnapshotMismatch",
     "Unbound",
     "UnknownTag",
+    "VersionConflict",
     "WeightSet",
     "__version__",
     "bind",
@@ -104,6 +115,7 @@ __all__ = [
     "library_path",
     "note_use",
     "pool",
+    "publish",
     "region",
     "reserve_host",
     "sleep",

@@ -165,6 +165,16 @@ impl RegionBook {
         runs
     }
 
+    /// FNV-1a over every live allocation's offset and asked size, in address order.
+    pub fn fingerprint(&self) -> u64 {
+        crate::hash::fnv1a64(
+            self.allocations
+                .iter()
+                .flat_map(|(&offset, a)| [offset as u64, a.asked as u64])
+                .flat_map(u64::to_le_bytes),
+        )
+    }
+
     /// Live allocations and the bytes they take.
     pub fn allocated(&self) -> (usize, usize) {
         let bytes = self.allocations.values().map(|a| a.rounded).sum();
@@ -259,6 +269,23 @@ mod tests {
         );
         assert_eq!(book.containing(4 * G - 1).map(|(o, _)| o), Some(b.offset));
         assert_eq!(book.containing(4 * G), None);
+    }
+
+    #[test]
+    fn fingerprints_follow_offsets_and_sizes_only() {
+        let mut a = RegionBook::new(16 * G, G);
+        let mut b = RegionBook::new(32 * G, G);
+        for book in [&mut a, &mut b] {
+            book.place(G + 3).unwrap();
+            book.place(5).unwrap();
+        }
+        assert_eq!(a.fingerprint(), b.fingerprint());
+        b.place(1).unwrap();
+        assert_ne!(a.fingerprint(), b.fingerprint());
+        let mut c = RegionBook::new(16 * G, G);
+        c.place(G + 4).unwrap();
+        c.place(5).unwrap();
+        assert_ne!(a.fingerprint(), c.fingerprint(), "the asked size counts");
     }
 
     #[test]

@@ -293,7 +293,29 @@ impl Region {
     /// [`bind`](Region::bind). Consolidates the live backing into one allocation first if it is
     /// made of several, so that every later bind is one mapping.
     pub fn snapshot(&self, stream: &Arc<CudaStream>) -> Result<Snapshot> {
-        self.lock().snapshot(&self.inner.fixed, stream)
+        self.lock().snapshot(&self.inner.fixed, stream, false)
+    }
+
+    /// [`Region::snapshot`] in memory another process can import
+    /// (`CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`): a weight set to publish with
+    /// [`share::publish`](crate::share::publish) and [`Snapshot::export`]. Its size is the span
+    /// rounded up to the exportable granularity.
+    pub fn snapshot_shareable(&self, stream: &Arc<CudaStream>) -> Result<Snapshot> {
+        self.lock().snapshot(&self.inner.fixed, stream, true)
+    }
+
+    /// Wakes a sleeping region straight onto `snapshot` (say, a weight set another process just
+    /// published into): one mapping, no allocation, no copy back; the host copy is dropped.
+    /// [`SnapshotMismatch`](crate::Error::SnapshotMismatch) if the region is awake (bind
+    /// instead) or the snapshot is not this region's; all or nothing.
+    pub fn wake_onto(&self, snapshot: &Snapshot) -> Result<()> {
+        self.lock().wake_onto(&self.inner.fixed, snapshot)
+    }
+
+    /// A fingerprint of where the live allocations sit (offsets and sizes): a process importing
+    /// a weight set checks it to know the set is laid out like its expectation.
+    pub fn layout_fingerprint(&self) -> u64 {
+        self.lock().layout_fingerprint()
     }
 
     /// The snapshot under the span now, if the region is consolidated (after a snapshot or a

@@ -1,12 +1,16 @@
 //! [`Snapshot`]: one physical allocation laid out like a region's span (a weight set).
 
+use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::CudaContext;
 
 use crate::driver;
-use crate::driver::vmm::{Mapping, Physical};
+use crate::driver::vmm::{Mapping, Physical, Reservation};
 use crate::error::Result;
+
+/// The region id of an imported snapshot: ids start at 1, so no region of this process has it.
+const IMPORTED: u64 = 0;
 
 /// A weight set: ONE physical allocation laid out like its region's used span, so binding it is
 /// one mapping whatever the number of allocations. Cheap to clone; the memory lives while any
@@ -25,9 +29,12 @@ pub(super) struct SnapshotInner {
     pub(super) region_id: u64,
     ctx: Arc<CudaContext>,
     access: Vec<usize>,
-    // Field order is drop order: the home mapping goes before the memory it maps.
+    // Field order is drop order: the home mapping is unmapped first, then the memory is
+    // released, then the home address range is freed (the mapping holds the range too, but
+    // this last handle makes the range outlive the memory).
     home: Mutex<Option<Mapping>>,
     pub(super) physical: Arc<Physical>,
+    home_range: Mutex<Option<Arc<Reservation>>>,
 }
 
 impl Snapshot {
@@ -46,6 +53,7 @@ impl Snapshot {
                 access: access.to_vec(),
                 home: Mutex::new(None),
                 physical,
+                home_range: Mutex::new(None),
             }),
         }
     }
@@ -75,8 +83,56 @@ impl Snapshot {
         }
         let mapping = Mapping::alone(&self.inner.ctx, &self.inner.physical, &self.inner.access)?;
         let ptr = mapping.ptr();
+        *self
+            .inner
+            .home_range
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(mapping.reservation().clone());
         *home = Some(mapping);
         Ok(ptr)
+    }
+
+    /// Whether it was made exportable ([`Region::snapshot_shareable`](super::Region::snapshot_shareable)
+    /// or imported from another process).
+    pub fn is_shareable(&self) -> bool {
+        self.inner.physical.shareable()
+    }
+
+    /// A new POSIX file descriptor for this memory (`cuMemExportToShareableHandle`), to send
+    /// to another process ([`share::publish`](crate::share::publish) does). The descriptor is
+    /// owned: it closes on drop; the memory lives on in every process that imported it.
+    /// [`NotShareable`](crate::Error::NotShareable) unless made with
+    /// [`Region::snapshot_shareable`](super::Region::snapshot_shareable).
+    pub fn export(&self) -> Result<OwnedFd> {
+        self.inner.physical.export()
+    }
+
+    /// `bytes` of memory another process exported, imported into `ctx`
+    /// (`cuMemImportFromShareableHandle`; the descriptor stays the caller's). It belongs to no
+    /// region of this process (it cannot be bound here): reach it through
+    /// [`Snapshot::home_ptr`], which maps it read-write for `ctx`'s device.
+    /// `access` lists the devices that may read and write it once mapped (`ctx`'s device and,
+    /// say, a peer GPU whose kernels write into it over NVLink).
+    pub(crate) fn import(
+        ctx: &Arc<CudaContext>,
+        fd: &OwnedFd,
+        bytes: usize,
+        access: &[usize],
+    ) -> Result<Self> {
+        let physical = Arc::new(Physical::import(ctx, fd, bytes)?);
+        Ok(Self::new(
+            crate::ids::next_id(),
+            IMPORTED,
+            ctx,
+            physical,
+            access,
+        ))
+    }
+
+    /// Whether it came from another process
+    /// ([`receive_weight_set`](crate::share::publish::receive_weight_set)).
+    pub fn is_imported(&self) -> bool {
+        self.inner.region_id == IMPORTED
     }
 
     /// Whether `self` and `other` are handles to the same memory.

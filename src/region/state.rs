@@ -407,7 +407,14 @@ impl RegionState {
         Ok(())
     }
 
-    pub fn snapshot(&mut self, fixed: &Fixed, stream: &Arc<CudaStream>) -> Result<Snapshot> {
+    /// A second backing of the span with its contents; `shareable` makes it exportable as a
+    /// POSIX file descriptor (its size then rounded up to the shareable granularity).
+    pub fn snapshot(
+        &mut self,
+        fixed: &Fixed,
+        stream: &Arc<CudaStream>,
+        shareable: bool,
+    ) -> Result<Snapshot> {
         self.check_replayable(fixed)?;
         let span_end = self.book.span_end();
         if span_end == 0 {
@@ -416,14 +423,68 @@ impl RegionState {
                 fixed.tag
             )));
         }
+        let bytes = if shareable {
+            shareable_size(fixed, span_end)?
+        } else {
+            span_end
+        };
         self.consolidate(fixed, stream)?;
-        let physical = Arc::new(Physical::new(&fixed.ctx, span_end, false)?);
+        let physical = Arc::new(Physical::new(&fixed.ctx, bytes, shareable)?);
         let snapshot = Snapshot::new(next_id(), fixed.id, &fixed.ctx, physical, &fixed.access);
         let home = snapshot.home_ptr()?;
         // The span is one mapping now: one copy.
         driver::copy_device(stream, fixed.reservation.base(), home, span_end)?;
         driver::synchronize_stream(stream)?;
         Ok(snapshot)
+    }
+
+    /// Wakes the region straight onto `snapshot` (a published weight set): ONE mapping of
+    /// memory that exists already, no allocation and no copy; the host copy (if any) is dropped.
+    /// All or nothing: on an error the region stays asleep with its host copy.
+    pub fn wake_onto(&mut self, fixed: &Fixed, snapshot: &Snapshot) -> Result<()> {
+        if self.sleeping.is_none() {
+            return Err(Error::SnapshotMismatch {
+                tag: fixed.tag.clone(),
+                reason: "the region is awake: bind the weight set instead".into(),
+            });
+        }
+        self.require_bindable(fixed, snapshot)?;
+        let bytes = snapshot.bytes();
+        let physical = snapshot.inner.physical.clone();
+        // Nothing is mapped under the span while asleep, so nothing can be using it.
+        let mapping = Mapping::new(&fixed.reservation, 0, &physical, 0, bytes, &fixed.access)?;
+        self.log_map(fixed, 0, bytes, true);
+        self.span = Some(SpanBinding {
+            snapshot: snapshot.clone(),
+            mapping,
+        });
+        self.book.set_consolidated(bytes);
+        self.unbound = false;
+        self.sleeping = None; // the host copy goes back to its arena
+        Ok(())
+    }
+
+    /// `Err(SnapshotMismatch)` unless `snapshot` was taken from this region and covers its span.
+    fn require_bindable(&self, fixed: &Fixed, snapshot: &Snapshot) -> Result<()> {
+        let mismatch = |reason: &str| Error::SnapshotMismatch {
+            tag: fixed.tag.clone(),
+            reason: reason.into(),
+        };
+        if snapshot.region_id() != fixed.id {
+            return Err(mismatch("the snapshot was taken from another region"));
+        }
+        if !self.pieces.is_empty() || snapshot.bytes() < self.book.span_end() {
+            return Err(mismatch(
+                "the region has allocations past the snapshot's span (take a new snapshot)",
+            ));
+        }
+        Ok(())
+    }
+
+    /// FNV-1a over every live allocation's offset and asked size: two regions with equal
+    /// fingerprints lay their allocations out alike.
+    pub fn layout_fingerprint(&self) -> u64 {
+        self.book.fingerprint()
     }
 
     pub fn bound(&self) -> Option<Snapshot> {
@@ -546,6 +607,20 @@ impl RegionState {
         self.span = None;
         self.pieces.clear();
     }
+}
+
+/// `span_end` rounded up to the granularity of exportable memory, which must be a multiple of
+/// the region's own (it is: both are 2 MiB on current GPUs) so the region can bind it.
+fn shareable_size(fixed: &Fixed, span_end: usize) -> Result<usize> {
+    let shareable = crate::driver::vmm::granularity(&fixed.ctx, true)?;
+    if shareable == 0 || !shareable.is_multiple_of(fixed.granularity) {
+        return Err(Error::InvalidShape(format!(
+            "region `{}`: exportable memory comes in {shareable} byte granules, not a multiple \
+             of the region's {}",
+            fixed.tag, fixed.granularity
+        )));
+    }
+    Ok(span_end.div_ceil(shareable) * shareable)
 }
 
 /// One new allocation of `bytes`, mapped at the region's base.

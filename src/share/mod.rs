@@ -13,7 +13,8 @@
 //!  wait_ack    ◀── Ack { dataset } ────────── send_ack
 //! ```
 //!
-//! The wire format is in [`protocol`].
+//! The wire format is in [`protocol`]. [`publish`] shares a region's weight sets the same way
+//! (RL weight sync: a trainer writes into an engine's spare set, the engine binds it).
 
 use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
@@ -28,6 +29,7 @@ pub use crate::error::ProtocolError;
 pub use protocol::{Message, Offer, MAX_MESSAGE, PROTOCOL_VERSION};
 
 pub mod protocol;
+pub mod publish;
 
 #[cfg(test)]
 mod fuzz;
@@ -69,6 +71,12 @@ pub fn send_message(socket: &UnixStream, message: &Message, fd: Option<&OwnedFd>
 
 /// Reads one framed message and the descriptors that came with it.
 pub fn receive_message(socket: &UnixStream) -> Result<(Message, Vec<OwnedFd>)> {
+    let (body, fds) = receive_frame(socket)?;
+    Ok((Message::decode(&body)?, fds))
+}
+
+/// Reads one frame's body (undecoded) and the descriptors that came with it.
+pub(crate) fn receive_frame(socket: &UnixStream) -> Result<(Vec<u8>, Vec<OwnedFd>)> {
     let mut fds = Vec::new();
     let mut header = [0u8; 4];
     read_exact(socket, &mut header, &mut fds, true)?;
@@ -78,7 +86,7 @@ pub fn receive_message(socket: &UnixStream) -> Result<(Message, Vec<OwnedFd>)> {
     }
     let mut body = vec![0u8; len];
     read_exact(socket, &mut body, &mut fds, false)?;
-    Ok((Message::decode(&body)?, fds))
+    Ok((body, fds))
 }
 
 /// Fills `buffer`. The peer closing before the first byte is [`ProtocolError::Closed`] when
@@ -194,7 +202,7 @@ pub fn wait_ack(socket: &UnixStream, dataset: u64) -> Result<()> {
     }
 }
 
-fn device_uuid(ctx: &std::sync::Arc<cudarc::driver::CudaContext>) -> Result<[u8; 16]> {
+pub(crate) fn device_uuid(ctx: &std::sync::Arc<cudarc::driver::CudaContext>) -> Result<[u8; 16]> {
     let uuid = crate::driver::traced("cuDeviceGetUuid", 0, || ctx.uuid())?;
     Ok(uuid.bytes.map(|b| b as u8))
 }

@@ -52,13 +52,20 @@ pub enum Message {
     },
 }
 
-struct Reader<'a> {
+pub(crate) struct Reader<'a> {
     bytes: &'a [u8],
     at: usize,
 }
 
 impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize) -> Result<&'a [u8], ProtocolError> {
+    pub(crate) fn new(bytes: &'a [u8]) -> Self {
+        Self { bytes, at: 0 }
+    }
+    /// Bytes not read yet.
+    pub(crate) fn remaining(&self) -> usize {
+        self.bytes.len() - self.at
+    }
+    pub(crate) fn take(&mut self, n: usize) -> Result<&'a [u8], ProtocolError> {
         let end = self.at + n;
         if end > self.bytes.len() {
             return Err(ProtocolError::Truncated {
@@ -70,20 +77,20 @@ impl<'a> Reader<'a> {
         self.at = end;
         Ok(out)
     }
-    fn u8(&mut self) -> Result<u8, ProtocolError> {
+    pub(crate) fn u8(&mut self) -> Result<u8, ProtocolError> {
         Ok(self.take(1)?[0])
     }
-    fn u16(&mut self) -> Result<u16, ProtocolError> {
+    pub(crate) fn u16(&mut self) -> Result<u16, ProtocolError> {
         Ok(u16::from_le_bytes(
             self.take(2)?.try_into().expect("2 bytes"),
         ))
     }
-    fn u64(&mut self) -> Result<u64, ProtocolError> {
+    pub(crate) fn u64(&mut self) -> Result<u64, ProtocolError> {
         Ok(u64::from_le_bytes(
             self.take(8)?.try_into().expect("8 bytes"),
         ))
     }
-    fn string(&mut self) -> Result<String, ProtocolError> {
+    pub(crate) fn string(&mut self) -> Result<String, ProtocolError> {
         let len = usize::from(self.u16()?);
         if len > MAX_STRING {
             return Err(ProtocolError::StringTooLong { bytes: len });
@@ -102,7 +109,7 @@ pub(crate) fn clip(s: &str) -> &str {
     &s[..end]
 }
 
-fn put_string(out: &mut Vec<u8>, s: &str) {
+pub(crate) fn put_string(out: &mut Vec<u8>, s: &str) {
     let bytes = clip(s).as_bytes();
     out.extend_from_slice(&(bytes.len() as u16).to_le_bytes());
     out.extend_from_slice(bytes);

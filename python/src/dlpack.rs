@@ -1,0 +1,179 @@
+//! DLPack capsules over memory this crate owns, so `torch.from_dlpack` makes a zero-copy tensor
+//! of an imported weight set without NumPy (PyTorch parses `__cuda_array_interface__` type
+//! strings with NumPy, which a serving image may lack).
+//!
+//! The capsule is the legacy `"dltensor"` kind: a `DLManagedTensor` whose `manager_ctx` keeps
+//! the memory's owner alive. The consumer (PyTorch) renames the capsule `"used_dltensor"` and
+//! calls `deleter` when its tensor dies; a capsule never consumed calls it from its destructor.
+//! The owner is a Rust value (`Send`), so the deleter needs no GIL, whatever thread runs it.
+
+use std::ffi::{c_void, CStr};
+
+use pyo3::exceptions::PyBufferError;
+use pyo3::ffi;
+use pyo3::prelude::*;
+
+const DLTENSOR: &CStr = c"dltensor";
+
+/// `kDLCPU` and `kDLCUDA` of `DLDeviceType`.
+pub const DEVICE_CPU: i32 = 1;
+pub const DEVICE_CUDA: i32 = 2;
+
+#[repr(C)]
+struct DLDevice {
+    device_type: i32,
+    device_id: i32,
+}
+
+#[repr(C)]
+struct DLDataType {
+    code: u8,
+    bits: u8,
+    lanes: u16,
+}
+
+#[repr(C)]
+struct DLTensor {
+    data: *mut c_void,
+    device: DLDevice,
+    ndim: i32,
+    dtype: DLDataType,
+    shape: *mut i64,
+    strides: *mut i64,
+    byte_offset: u64,
+}
+
+#[repr(C)]
+struct DLManagedTensor {
+    dl_tensor: DLTensor,
+    manager_ctx: *mut c_void,
+    deleter: Option<unsafe extern "C" fn(*mut DLManagedTensor)>,
+}
+
+/// What a capsule points at: the DLPack header first (so a pointer to this is a pointer to
+/// it), the shape it points into, and the owner of the memory.
+#[repr(C)]
+struct Managed<T> {
+    tensor: DLManagedTensor,
+    shape: [i64; 1],
+    owner: T,
+}
+
+unsafe extern "C" fn delete_managed<T>(tensor: *mut DLManagedTensor) {
+    if !tensor.is_null() {
+        // SAFETY: every DLManagedTensor with this deleter is the first field of a
+        // `Managed<T>` leaked from a Box in `capsule`, and DLPack calls the deleter once.
+        drop(unsafe { Box::from_raw(tensor.cast::<Managed<T>>()) });
+    }
+}
+
+unsafe extern "C" fn capsule_destructor(capsule: *mut ffi::PyObject) {
+    // SAFETY: called by Python with the GIL, on a live capsule. Only a capsule still named
+    // "dltensor" was never consumed; a consumer renames it and owns the tensor from then on.
+    unsafe {
+        if ffi::PyCapsule_IsValid(capsule, DLTENSOR.as_ptr()) == 1 {
+            let tensor = ffi::PyCapsule_GetPointer(capsule, DLTENSOR.as_ptr());
+            let tensor = tensor.cast::<DLManagedTensor>();
+            if let Some(deleter) = (*tensor).deleter {
+                deleter(tensor);
+            }
+        }
+    }
+}
+
+/// A `"dltensor"` capsule describing `bytes` bytes at `ptr` as a one-dimensional `uint8`
+/// array on `(device_type, device_id)`, keeping `owner` alive until the consumer's tensor (or
+/// the unconsumed capsule) is gone. `owner` must keep `[ptr, ptr + bytes)` valid.
+pub fn capsule<T: Send + 'static>(
+    py: Python<'_>,
+    ptr: u64,
+    bytes: usize,
+    device_type: i32,
+    device_id: i32,
+    copy: Option<bool>,
+    owner: T,
+) -> PyResult<Bound<'_, PyAny>> {
+    if copy == Some(true) {
+        return Err(PyBufferError::new_err(
+            "an imported weight set is shared memory: it cannot be exported as a copy",
+        ));
+    }
+    let managed = Box::into_raw(Box::new(Managed {
+        tensor: DLManagedTensor {
+            dl_tensor: DLTensor {
+                data: ptr as *mut c_void,
+                device: DLDevice {
+                    device_type,
+                    device_id,
+                },
+                ndim: 1,
+                dtype: DLDataType {
+                    code: 1, // kDLUInt
+                    bits: 8,
+                    lanes: 1,
+                },
+                shape: std::ptr::null_mut(),
+                strides: std::ptr::null_mut(), // compact
+                byte_offset: 0,
+            },
+            manager_ctx: std::ptr::null_mut(),
+            deleter: Some(delete_managed::<T>),
+        },
+        shape: [bytes as i64],
+        owner,
+    }));
+    // SAFETY: `managed` came from Box::into_raw just above and nothing else has it yet: the
+    // shape pointer points into the same (now fixed) allocation, and the capsule takes it over.
+    unsafe {
+        (*managed).tensor.dl_tensor.shape = (*managed).shape.as_mut_ptr();
+        (*managed).tensor.manager_ctx = managed.cast();
+        let raw = ffi::PyCapsule_New(managed.cast(), DLTENSOR.as_ptr(), Some(capsule_destructor));
+        if raw.is_null() {
+            delete_managed::<T>(managed.cast());
+        }
+        Bound::from_owned_ptr_or_err(py, raw)
+    }
+}
+
+/// Host bytes exported the same way, for the CPU test of the capsules (`torch.from_dlpack`
+/// on the CPU): not for use.
+#[pyclass(module = "stablebuf", name = "_DlpackProbe", frozen)]
+pub struct DlpackProbe {
+    bytes: std::sync::Arc<Vec<u8>>,
+}
+
+#[pymethods]
+impl DlpackProbe {
+    #[new]
+    fn new(values: Vec<u8>) -> Self {
+        Self {
+            bytes: std::sync::Arc::new(values),
+        }
+    }
+
+    #[pyo3(signature = (stream=None, max_version=None, dl_device=None, copy=None))]
+    fn __dlpack__<'py>(
+        &self,
+        py: Python<'py>,
+        stream: Option<&Bound<'py, PyAny>>,
+        max_version: Option<&Bound<'py, PyAny>>,
+        dl_device: Option<&Bound<'py, PyAny>>,
+        copy: Option<bool>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let _ = (stream, max_version, dl_device);
+        let ptr = self.bytes.as_ptr() as u64;
+        capsule(
+            py,
+            ptr,
+            self.bytes.len(),
+            DEVICE_CPU,
+            0,
+            copy,
+            self.bytes.clone(),
+        )
+    }
+
+    fn __dlpack_device__(&self) -> (i32, i32) {
+        (DEVICE_CPU, 0)
+    }
+}

@@ -1,0 +1,511 @@
+"""Weight publishing between processes (RL post-training): the trainer writes new weights
+straight into the engine's spare weight sets, the engine binds them with one remap.
+
+::
+
+    # engine process (serves with CUDA graphs captured over region "weights")
+    engine = stablebuf.publish.Engine("weights", "/tmp/engine.sock", model)   # 2 spare sets
+    while serving:
+        engine.poll()            # at a step boundary: binds the newest committed version
+        graph.replay()
+
+    # trainer process
+    trainer = stablebuf.publish.Trainer.connect("/tmp/engine.sock", expect=model.state_dict())
+    trainer.publish(model.state_dict(), version=step)   # copy (casting), sync, commit
+
+How it works: the engine makes ``sets`` exportable weight sets of its region and offers them
+over a Unix socket (the file descriptors ride along), with a manifest (tensor name → offset,
+shape, stride, dtype). The trainer imports every set, maps it read-write and builds ordinary
+torch tensors over it (zero-copy: ``torch.from_dlpack`` of a capsule built in Rust). To publish it takes a set the engine has released, copies its
+weights in, synchronises, and commits the version. ``Engine.poll`` binds the newest committed
+set (its graphs replay on it from the next replay) and releases the set it replaced back to the
+trainer: with two sets that is a double buffer, and the trainer never writes the bound set.
+
+Guarantees: a set is bound only after its commit, and a commit is sent only after the writes
+are done; a trainer that dies mid-write leaves the engine serving what it had bound, and its
+half-written set goes back to the next trainer. One trainer per engine: a second is refused
+(:class:`PublishError`); a trainer publishes to several engines with one :class:`Trainer` each.
+Errors are subclasses of :class:`stablebuf.Error`; after one, both sides are as they were.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence
+
+from . import _api, _native
+from ._manifest import Entry, Manifest, VersionBook, dtype_name
+from ._native import (
+    OfferMismatch,
+    PeerClosed,
+    PublishError,
+    PublishTimeout,
+    VersionConflict,
+    WeightSet,
+)
+
+#: The manifest differs from what the trainer expects (an :class:`OfferMismatch`).
+ManifestMismatch = OfferMismatch
+
+__all__ = [
+    "Engine",
+    "Manifest",
+    "ManifestMismatch",
+    "OfferMismatch",
+    "PeerClosed",
+    "PublishError",
+    "PublishTimeout",
+    "Trainer",
+    "VersionConflict",
+]
+
+#: How long the waiting loops sleep between looks at the socket.
+_POLL_SECONDS = 0.0002
+
+
+def _tensors_of(source: Any) -> Dict[str, Any]:
+    """``name → tensor`` of a module (its state dict, tied weights included) or a mapping."""
+    if hasattr(source, "state_dict") and callable(source.state_dict):
+        return dict(source.state_dict(keep_vars=True))
+    return dict(source)
+
+
+def _wait_for_message(channel: Any, deadline: Optional[float], what: str) -> None:
+    while not channel.message_waiting():
+        if deadline is not None and time.monotonic() > deadline:
+            raise PublishTimeout(f"nothing arrived while waiting for {what}")
+        time.sleep(_POLL_SECONDS)
+
+
+class Engine:
+    """The serving side: owns region ``tag`` and ``sets`` spare weight sets, exported to one
+    trainer at a time through the Unix socket ``path``.
+
+    ``tensors`` is the model (its ``state_dict``) or a mapping name → tensor; every tensor must
+    live in the region. ``sets`` must be at least 2 (a double buffer): the trainer writes one
+    while the engine serves the other.
+    """
+
+    #: Seconds a connecting trainer has to import the sets before it is dropped.
+    handshake_timeout = 60.0
+
+    def __init__(self, tag: str, path: str, tensors: Any, *, sets: int = 2) -> None:
+        if sets < 2:
+            raise ValueError(
+                f"sets={sets}: at least 2 (the trainer writes one, the engine serves one)"
+            )
+        torch = _api._torch()
+        self.tag = tag
+        base = _native.region_base(tag)
+        named = _tensors_of(tensors)
+        entries = []
+        for name, t in named.items():
+            if _native.owner(int(t.data_ptr())) != tag and t.numel() > 0:
+                raise ValueError(
+                    f"tensor `{name}` is not in region `{tag}`: allocate the model inside "
+                    f"`with stablebuf.region({tag!r}):`"
+                )
+            entries.append(
+                Entry(
+                    name,
+                    int(t.data_ptr()) - base if t.numel() > 0 else 0,  # empty: no address
+                    tuple(t.shape),
+                    tuple(t.stride()),
+                    dtype_name(t.dtype),
+                )
+            )
+        torch.cuda.current_stream().synchronize()
+        self._sets: List[WeightSet] = [
+            _native.snapshot_shareable(tag, _api._current_stream()) for _ in range(sets)
+        ]
+        self.manifest = Manifest.build(tag, self._sets[0].nbytes, sets, entries)
+        self._by_id = {ws.id: ws for ws in self._sets}
+        self._listener = _native.PublishListener(path)
+        self._channel: Optional[Any] = None
+        self._versions = VersionBook()
+        #: The id of the set bound now, if it is one of ours (not the region's own backing).
+        self._bound_id: Optional[int] = None
+        #: While asleep: the newest committed set, to wake onto.
+        self._pending: Optional[tuple] = None
+        self._bound_version = 0
+        self._asleep = False
+
+    # ----------------------------------------------------------------- state
+
+    @property
+    def path(self) -> str:
+        return self._listener.path
+
+    @property
+    def version(self) -> int:
+        """The version bound now (0: the weights the engine started with)."""
+        return self._bound_version
+
+    @property
+    def connected(self) -> bool:
+        """Whether a trainer is connected."""
+        return self._channel is not None
+
+    @property
+    def weight_sets(self) -> List[WeightSet]:
+        return list(self._sets)
+
+    @property
+    def bound_set(self) -> Optional[WeightSet]:
+        """The spare set bound now, or ``None`` while the region's own backing is."""
+        return None if self._bound_id is None else self._by_id[self._bound_id]
+
+    # ----------------------------------------------------------------- trainer connection
+
+    def accept(self, timeout: Optional[float] = None) -> bool:
+        """Waits up to ``timeout`` seconds (forever with ``None``) for a trainer and hands it
+        the manifest and the sets. Returns whether one is connected."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self._accept_pending()
+            if self._channel is not None:
+                return True
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(_POLL_SECONDS * 10)
+
+    def _accept_pending(self) -> None:
+        while True:
+            channel = self._listener.accept()
+            if channel is None:
+                return
+            if self._channel is not None:
+                # One writer per set: a second trainer could write the set the first one is
+                # writing. Refuse it, clearly.
+                with contextlib.suppress(PublishError):
+                    channel.send(
+                        "reject",
+                        reason=f"engine `{self.tag}` already has a trainer: one trainer per "
+                        "engine (a trainer publishes to several engines with one Trainer each)",
+                    )
+                channel.close()
+                continue
+            self._handshake(channel)
+
+    def _handshake(self, channel: Any) -> None:
+        deadline = time.monotonic() + self.handshake_timeout
+        try:
+            channel.send_manifest(self.manifest.with_published(self._versions.last).to_json())
+            for ws in self._sets:
+                channel.offer(ws, self.manifest.fingerprint)
+            for ws in self._sets:
+                # A trainer that never answers must not hang the serving loop.
+                _wait_for_message(channel, deadline, "the trainer to import the weight sets")
+                channel.wait_ack(ws.id)
+            for ws in self._sets:
+                if ws.id != self._bound_id and not self._is_pending(ws.id):
+                    channel.send("released", set=ws.id)
+        except PublishError:  # PeerClosed, OfferMismatch, PublishTimeout included
+            channel.close()
+            raise
+        self._channel = channel
+
+    def _is_pending(self, set_id: int) -> bool:
+        return self._pending is not None and self._pending[0] == set_id
+
+    def _drop_trainer(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+    # ----------------------------------------------------------------- serving
+
+    def poll(self) -> Optional[int]:
+        """Call at a step boundary (never blocks for long): accepts a trainer, and binds the
+        newest committed version (one remap; the region's graphs replay on it from the next
+        replay). Returns the version bound by this call, or ``None``.
+
+        Raises :class:`PeerClosed` once when the trainer went away (the engine keeps serving
+        what it had bound; a new trainer may connect), :class:`VersionConflict` for a commit
+        that is not newer (the set goes back to the trainer)."""
+        self._accept_pending()
+        channel = self._channel
+        if channel is None:
+            return None
+        bound = None
+        while channel.message_waiting():
+            try:
+                kind, set_id, version, reason = channel.receive()
+            except PeerClosed:
+                self._drop_trainer()
+                raise
+            if kind == "commit":
+                bound = self._on_commit(set_id, version) or bound
+            elif kind == "reject":
+                self._drop_trainer()
+                raise PublishError(f"the trainer refused: {reason}")
+            else:
+                self._drop_trainer()
+                raise PublishError(f"protocol: a `{kind}` message from the trainer")
+        return bound
+
+    def _on_commit(self, set_id: int, version: int) -> Optional[int]:
+        ws = self._by_id.get(set_id)
+        if ws is None or set_id == self._bound_id:
+            self._drop_trainer()
+            raise PublishError(f"the trainer committed set {set_id}, which it may not write")
+        problem = self._versions.problem(version)
+        if problem is not None:
+            self._channel.send("released", set=set_id)  # the trainer may write it again
+            raise VersionConflict(problem)
+        if self._asleep:
+            if self._pending is not None:
+                self._channel.send("released", set=self._pending[0])
+            self._pending = (set_id, version)
+            self._versions.advance(version)
+            return None
+        _native.bind(self.tag, ws)
+        self._versions.advance(version)
+        self._switched_to(set_id, version)
+        return version
+
+    def _switched_to(self, set_id: int, version: int) -> None:
+        previous, self._bound_id = self._bound_id, set_id
+        self._bound_version = version
+        if previous is not None and previous != set_id and self._channel is not None:
+            try:
+                self._channel.send("released", set=previous)
+            except PeerClosed:
+                self._drop_trainer()
+
+    # ----------------------------------------------------------------- colocation
+
+    def sleep(self) -> None:
+        """Releases the region's memory (discarding it) while the trainer trains; the spare
+        sets stay resident for the trainer to write."""
+        _api.sleep(self.tag, keep=False)
+        self._asleep = True
+
+    def wake(self) -> int:
+        """Wakes onto the newest committed set (one mapping, no copy), else onto the set bound
+        before the sleep; returns the version now bound. Polls first."""
+        with contextlib.suppress(PeerClosed):
+            self.poll()
+        if not self._asleep:
+            return self._bound_version
+        if self._pending is not None:
+            set_id, version = self._pending
+            _native.wake_onto(self.tag, self._by_id[set_id])
+            self._pending = None
+            self._asleep = False
+            self._switched_to(set_id, version)
+            return version
+        if self._bound_id is not None:
+            _native.wake_onto(self.tag, self._by_id[self._bound_id])
+        else:
+            _api.wake(self.tag)  # the region's own backing: its contents were discarded
+        self._asleep = False
+        return self._bound_version
+
+    def close(self) -> None:
+        """Disconnects the trainer and stops listening (the sets stay bound or held)."""
+        self._drop_trainer()
+        self._listener.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class Trainer:
+    """The training side of one engine: its weight sets imported and mapped, as torch tensors.
+
+    Use :meth:`connect`. :meth:`publish` writes a state dict (casting to the engine's dtypes)
+    into a free set and commits it; :meth:`writing` gives the tensors of a free set to fill
+    yourself."""
+
+    def __init__(self, channel: Any, manifest: Manifest, sets: Sequence[Any], torch: Any) -> None:
+        self._channel = channel
+        self.manifest = manifest
+        self._sets = {imported.set_id: imported for imported in sets}
+        self._torch = torch
+        self._views: Dict[int, Dict[str, Any]] = {}
+        self._free: List[int] = []
+        # Versions continue after what the engine has taken (from an earlier trainer, say).
+        self._versions = VersionBook(manifest.published)
+
+    @classmethod
+    def connect(
+        cls,
+        path: str,
+        *,
+        expect: Optional[Mapping[str, Any]] = None,
+        check_dtypes: bool = False,
+        device: Optional[int] = None,
+        access: Optional[Sequence[int]] = None,
+        timeout: Optional[float] = 30.0,
+    ) -> "Trainer":
+        """Connects to the engine at ``path`` (retrying until ``timeout``), receives its
+        manifest and imports its sets on ``device`` (default: the current device; it must be
+        the engine's GPU). ``access`` adds devices that may write the sets (a peer GPU).
+
+        ``expect`` (name → tensor or ``(shape, dtype)``): raise :class:`OfferMismatch` naming
+        the first difference in names or shapes (and dtypes with ``check_dtypes``) before
+        anything is imported."""
+        torch = _api._torch()
+        if device is None:
+            device = torch.cuda.current_device()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                channel = _native.PublishChannel.connect(path)
+                break
+            except PeerClosed:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
+        imported: List[Any] = []
+        try:
+            _wait_for_message(channel, deadline, "the engine's manifest")
+            try:
+                manifest = Manifest.from_json(channel.receive_manifest())
+            except ValueError as bad:
+                raise PublishError(str(bad)) from None
+            problem = (
+                None if expect is None else manifest.first_mismatch(expect, dtypes=check_dtypes)
+            )
+            if problem is not None:
+                channel.send("reject", reason=problem)
+                raise OfferMismatch(problem)
+            for _ in range(manifest.sets):
+                _wait_for_message(channel, deadline, "a weight set")
+                imported.append(
+                    channel.receive_set(
+                        device,
+                        tag=manifest.tag,
+                        fingerprint=manifest.fingerprint,
+                        nbytes=manifest.nbytes,
+                        access=list(access) if access else None,
+                    )
+                )
+        except BaseException:
+            channel.close()
+            raise
+        return cls(channel, manifest, imported, torch)
+
+    # ----------------------------------------------------------------- tensors
+
+    @property
+    def set_ids(self) -> List[int]:
+        return sorted(self._sets)
+
+    def tensors(self, set_id: int) -> Dict[str, Any]:
+        """``name → tensor`` over set ``set_id`` (zero-copy views of the imported memory)."""
+        views = self._views.get(set_id)
+        if views is None:
+            views = self._build_views(self._sets[set_id])
+            self._views[set_id] = views
+        return views
+
+    def _build_views(self, imported: Any) -> Dict[str, Any]:
+        torch = self._torch
+        # DLPack built in Rust over the imported mapping: zero-copy, keeps the set alive, and
+        # needs no NumPy (torch parses __cuda_array_interface__ with NumPy).
+        flat = torch.from_dlpack(imported)
+        views = {}
+        for e in self.manifest.entries:
+            dtype = getattr(torch, e.dtype)
+            piece = flat[e.offset : e.offset + max(e.span, 0)]
+            typed = piece.view(dtype) if e.span else torch.empty(0, dtype=dtype, device=flat.device)
+            views[e.name] = (
+                typed.as_strided(e.shape, e.stride) if e.span else typed.reshape(e.shape)
+            )
+        return views
+
+    # ----------------------------------------------------------------- publishing
+
+    @property
+    def version(self) -> int:
+        """The last version committed."""
+        return self._versions.last
+
+    def _drain(self) -> None:
+        while self._channel.message_waiting():
+            kind, set_id, _, reason = self._channel.receive()
+            if kind == "released" and set_id in self._sets:
+                if set_id not in self._free:
+                    self._free.append(set_id)
+            elif kind == "reject":
+                raise PublishError(f"the engine refused: {reason}")
+            else:
+                raise PublishError(f"protocol: a `{kind}` message from the engine")
+
+    def acquire(self, timeout: Optional[float] = 30.0) -> int:
+        """A set the trainer may write now (waiting for the engine to release one)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self._drain()
+            if self._free:
+                return self._free[0]
+            _wait_for_message(self._channel, deadline, "the engine to release a weight set")
+
+    def commit(self, set_id: int, version: int) -> None:
+        """Tells the engine set ``set_id`` holds ``version``, completely written (synchronise
+        the streams that wrote it first; :meth:`publish` and :meth:`writing` do)."""
+        problem = self._versions.problem(version)
+        if problem is not None:
+            raise VersionConflict(problem)
+        if set_id not in self._free:
+            raise PublishError(f"set {set_id} is not the trainer's to commit (acquire one first)")
+        self._channel.send("commit", set=set_id, version=version)
+        self._free.remove(set_id)
+        self._versions.advance(version)
+
+    @contextlib.contextmanager
+    def writing(self, version: int, timeout: Optional[float] = 30.0) -> Iterator[Dict[str, Any]]:
+        """The tensors of a free set; on a normal exit the devices are synchronised and
+        ``version`` committed. On an exception nothing is committed (the set stays free)."""
+        problem = self._versions.problem(version)
+        if problem is not None:
+            raise VersionConflict(problem)
+        set_id = self.acquire(timeout)
+        yield self.tensors(set_id)
+        self._synchronize(set_id)
+        self.commit(set_id, version)
+
+    def _synchronize(self, set_id: int) -> None:
+        # The writes may run on this device's streams and on the set's own device (a peer).
+        self._torch.cuda.synchronize()
+        self._torch.cuda.synchronize(self._sets[set_id].device)
+
+    def publish(
+        self, weights: Mapping[str, Any], version: int, timeout: Optional[float] = 30.0
+    ) -> int:
+        """Copies ``weights`` (name → tensor; cast to the engine's dtypes) into a free set,
+        synchronises and commits ``version``; returns the set's id. Every name and shape is
+        checked before anything is written (:class:`OfferMismatch`)."""
+        problem = self.manifest.first_mismatch(weights, dtypes=False)
+        if problem is not None:
+            raise OfferMismatch(problem)
+        problem = self._versions.problem(version)
+        if problem is not None:
+            raise VersionConflict(problem)
+        set_id = self.acquire(timeout)
+        tensors = self.tensors(set_id)
+        for name, source in weights.items():
+            tensors[name].copy_(source, non_blocking=True)
+        self._synchronize(set_id)
+        self.commit(set_id, version)
+        return set_id
+
+    def close(self) -> None:
+        """Closes the connection and lets go of the imported sets (their memory is freed once
+        no tensor over it is left)."""
+        self._channel.close()
+        self._views.clear()
+        self._sets.clear()
+        self._free.clear()
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
