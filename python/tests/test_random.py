@@ -287,7 +287,6 @@ def test_a_random_sequence_matches_the_model_with_no_memory_drift(torch):
 
     log: List[str] = []
     baseline = None
-    refusals = 0
     for index in range(steps):
         before = len(log)
         try:
@@ -296,7 +295,6 @@ def test_a_random_sequence_matches_the_model_with_no_memory_drift(torch):
             raise AssertionError(
                 f"step {index} (seed {seed}): {log[before:]}: {error}; last steps {log[-10:]}"
             ) from error
-        refusals += sum(1 for _ in log[before:])
         if index % 100 == 99:
             total = device_total()
             baseline = total if baseline is None else baseline
