@@ -311,6 +311,21 @@ struct Slot {
     size_t valid = 0;  // written (only these are hashed)
 };
 
+// ELIDE_TRACE=<program>: every operation of that program's threads goes to stderr, so a
+// program whose hashes differ can be read step by step.
+static int traced_program() {
+    static int traced = getenv("ELIDE_TRACE") ? atoi(getenv("ELIDE_TRACE")) : -1;
+    return traced;
+}
+#define TRACE(...)                                                                            \
+    do {                                                                                      \
+        if (program == traced_program()) {                                                    \
+            fprintf(stderr, "TRACE P%d T%d op%d: ", program, thread, op);                   \
+            fprintf(stderr, __VA_ARGS__);                                                     \
+            fprintf(stderr, "\n");                                                            \
+        }                                                                                     \
+    } while (0)
+
 static void random_thread(uint64_t seed, int program, int thread, std::vector<std::string> *out) {
     Rng rng{seed * 0x9e3779b97f4a7c15ull + 1};
     cudaStream_t s;
@@ -322,7 +337,9 @@ static void random_thread(uint64_t seed, int program, int thread, std::vector<st
         Slot &a = slots[rng.below(3)];
         Slot &b = slots[rng.below(3)];
         uint32_t kind = rng.below(9);
+        int ai = (int)(&a - slots), bi = (int)(&b - slots);
         if (!a.p || kind == 0) {
+            TRACE("realloc slot %d (%p) then fill", ai, (void *)a.p);
             if (a.p) CHECK_CUDA(cudaFree(a.p));
             a.words = (1 + rng.below(3)) * (MIB / 4);
             CHECK_CUDA(cudaMalloc(&a.p, a.words * 4));
@@ -335,8 +352,12 @@ static void random_thread(uint64_t seed, int program, int thread, std::vector<st
             CHECK_CUDA(cudaMalloc(&grown, words * 4));
             CHECK_CUDA(cudaMemcpyAsync(grown, a.p, a.words * 4, cudaMemcpyDeviceToDevice, s));
             int between = (int)rng.below(3);
+            TRACE("grow slot %d %p -> %p (%zu words copied, valid %zu), %d between", ai,
+                  (void *)a.p, (void *)grown, a.words, a.valid, between);
             for (int k = 0; k < between; k++) {
-                switch (rng.below(5)) {
+                uint32_t what = rng.below(5);
+                TRACE("  between %d: %u (b = slot %d %p)", k, what, bi, (void *)b.p);
+                switch (what) {
                 case 0: fill_kernel<<<GRID, BLOCK, 0, s>>>(a.p, a.words, rng.next()); break;
                 case 1: fill_kernel<<<GRID, BLOCK, 0, s>>>(grown, a.words / 2, rng.next()); break;
                 case 2: CHECK_CUDA(cudaMemsetAsync(a.p, rng.below(256), a.words * 2, s)); break;
@@ -350,17 +371,22 @@ static void random_thread(uint64_t seed, int program, int thread, std::vector<st
             a.p = grown;
             a.words = words;
         } else if (kind == 4) {
+            TRACE("fill slot %d valid %zu", ai, a.valid);
             fill_kernel<<<GRID, BLOCK, 0, s>>>(a.p, a.valid, rng.next());
         } else if (kind == 5 && b.p && b.p != a.p) {
             size_t n = std::min(a.valid, b.valid);
+            TRACE("add slot %d += slot %d, %zu words", ai, bi, n);
             add_kernel<<<GRID, BLOCK, 0, s>>>(a.p, b.p, n);
         } else if (kind == 6 && b.p && b.p != a.p) {
             size_t n = std::min(a.words, b.valid);
+            TRACE("copy slot %d <- slot %d, %zu words", ai, bi, n);
             CHECK_CUDA(cudaMemcpyAsync(a.p, b.p, n * 4, cudaMemcpyDeviceToDevice, s));
             a.valid = std::max(a.valid, n);
         } else if (kind == 7) {
+            TRACE("memset slot %d valid %zu", ai, a.valid);
             CHECK_CUDA(cudaMemsetAsync(a.p, rng.below(256), a.valid * 4, s));
         } else {
+            TRACE("kind %u on slot %d: graph fill valid/2 (or nothing)", kind, ai);
             // A graph with one kernel writing a (built with the graph API: a stream capture
             // here would conflict with other threads' implicit synchronisations), launched once.
             cudaGraph_t g;
