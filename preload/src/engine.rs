@@ -336,7 +336,6 @@ impl<D: Device> Engine<D> {
 
     fn flush_locked(&self, state: &mut State<D::Block>) -> Result<(), Fail> {
         let copies = state.elider.take_all();
-        self.pending.store(0, Ordering::SeqCst);
         let mut first_failure = None;
         for copy in copies {
             let result = self.device(copy.device).and_then(|d| d.copy_now(&copy));
@@ -347,6 +346,12 @@ impl<D: Device> Engine<D> {
                 first_failure.get_or_insert(fail);
             }
         }
+        // Only now, with every copy enqueued and done: another thread's flush point that reads
+        // `pending` while these copies are still being performed must see them pending, wait
+        // for the lock and so forward its own call after them. Clearing the count first let a
+        // thread launch a kernel that overwrote a source on the copy's stream ahead of the
+        // copy (the random multi-threaded programs on the H100: 16 of 8924 buffers wrong).
+        self.pending.store(state.elider.pending(), Ordering::SeqCst);
         first_failure.map_or(Ok(()), Err)
     }
 
@@ -561,12 +566,16 @@ mod tests {
     const MIB: usize = 1 << 20;
 
     /// A device made of address arithmetic and a log of what was asked of it.
+    /// Called inside `copy_now`, while the engine performs a deferred copy.
+    type CopyHook = Box<dyn Fn() + Send + Sync>;
+
     #[derive(Default)]
     struct Fake {
         ordinal: usize,
         inner: Mutex<FakeState>,
         fail_graft: AtomicBool,
         capturing: AtomicBool,
+        during_copy: Mutex<Option<CopyHook>>,
     }
 
     #[derive(Default)]
@@ -649,6 +658,9 @@ mod tests {
         }
 
         fn copy_now(&self, copy: &PendingCopy) -> Result<(), Fail> {
+            if let Some(hook) = lock(&self.during_copy).as_ref() {
+                hook();
+            }
             self.say(format!(
                 "copy {:#x} <- {:#x} {} on {:#x}",
                 copy.dst, copy.src, copy.bytes, copy.stream
@@ -882,6 +894,40 @@ mod tests {
             engine.alloc(0, GIB, None).is_ok(),
             "the next try may succeed"
         );
+    }
+
+    #[test]
+    fn a_flush_point_during_another_threads_flush_still_sees_the_copy_pending() {
+        // Thread A performs a deferred copy (at its flush point); thread B reaches a flush
+        // point meanwhile. B must be told copies are pending, so that it waits for A's flush
+        // instead of launching ahead of the copy on its stream.
+        let (engine, devices, _) = engine(true);
+        let engine = Arc::new(engine);
+        let a = engine.alloc(0, 3 * GIB / 2, None).unwrap();
+        engine.touch();
+        let b = engine.alloc(0, 3 * GIB, None).unwrap();
+        assert_eq!(engine.copy(d2d(b, a, 3 * GIB / 2)), Ok(Copied::Deferred));
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        {
+            let weak = Arc::downgrade(&engine);
+            let seen = seen.clone();
+            let fake = lock(&devices)[0].clone();
+            *lock(&fake.during_copy) = Some(Box::new(move || {
+                let other_thread = weak.clone();
+                let pending = std::thread::spawn(move || other_thread.upgrade().unwrap().touch())
+                    .join()
+                    .unwrap();
+                lock(&seen).push(pending);
+            }));
+        }
+        engine.flush().unwrap();
+        assert_eq!(
+            *lock(&seen),
+            vec![true],
+            "a flush point during the copy saw nothing pending"
+        );
+        assert!(!engine.touch(), "nothing is pending once the copy is done");
+        *lock(&lock(&devices)[0].during_copy) = None;
     }
 
     #[test]
