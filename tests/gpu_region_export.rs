@@ -27,6 +27,8 @@ use stablebuf::share::ProtocolError;
 use stablebuf::{open_device, DeviceBuffer, Error, HostStorage, StableGraph};
 
 const MIB: usize = 1 << 20;
+/// What a "killed" trainer prints once half its weights are written.
+const READY: &str = "STABLEBUF-TRAINER-READY";
 /// The weights: not a granule multiple, so the tail is exercised.
 const X_BYTES: usize = 6 * MIB + 4096;
 const Y_BYTES: usize = X_BYTES;
@@ -199,11 +201,13 @@ impl Trainer {
         wait_set_ack(&self.socket, engine.spare.id())
     }
 
-    /// Waits until the trainer prints `ready` (it then sleeps, waiting to be killed).
+    /// Waits until the trainer prints [`READY`] (it then sleeps, waiting to be killed).
     fn wait_ready(&mut self) {
         let stdout = self.child.stdout.as_mut().expect("piped stdout");
         for line in BufReader::new(stdout).lines() {
-            if line.unwrap().trim() == "ready" {
+            // The harness prints `test export_child ... ` without a newline before the child's
+            // own output (--nocapture), so the marker may share its line.
+            if line.unwrap().contains(READY) {
                 return;
             }
         }
@@ -259,7 +263,7 @@ fn export_child() {
             };
             write_weights(&ctx, &stream, &set, &data[..written / 4]);
             if role == "killed" {
-                println!("ready");
+                println!("\n{READY}");
                 std::io::Write::flush(&mut std::io::stdout()).unwrap();
                 std::thread::sleep(std::time::Duration::from_secs(60));
                 panic!("never killed");
