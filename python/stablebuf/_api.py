@@ -244,7 +244,8 @@ def sleep(tags: Tags, keep: bool = True) -> Dict[str, Dict[str, Any]]:
     names = _as_tags(tags)
     _refuse_during_capture("sleep")
     try:
-        return _native.sleep(names, keep, _current_stream())
+        with _guard.REMAPS:  # never between another thread's check and launch
+            return _native.sleep(names, keep, _current_stream())
     finally:
         _warn_free_errors()
 
@@ -258,7 +259,8 @@ def wake(tags: Tags) -> Dict[str, Dict[str, Any]]:
     """
     names = _as_tags(tags)
     _refuse_during_capture("wake")
-    return _native.wake(names, _current_stream())
+    with _guard.REMAPS:  # never between another thread's check and launch
+        return _native.wake(names, _current_stream())
 
 
 def snapshot(tag: str) -> WeightSet:
@@ -270,7 +272,8 @@ def snapshot(tag: str) -> WeightSet:
     every later bind is one mapping.
     """
     _refuse_during_capture("snapshot")
-    return _native.snapshot(tag, _current_stream())
+    with _guard.REMAPS:  # never between another thread's check and launch
+        return _native.snapshot(tag, _current_stream())
 
 
 def bind(tag: str, weights: WeightSet) -> Optional[WeightSet]:
@@ -282,7 +285,8 @@ def bind(tag: str, weights: WeightSet) -> Optional[WeightSet]:
     another region, or when the region grew past the weight set (take a new snapshot).
     """
     _refuse_during_capture("bind")
-    return _native.bind(tag, weights)
+    with _guard.REMAPS:  # never between another thread's check and launch
+        return _native.bind(tag, weights)
 
 
 def bound(tag: str) -> Optional[WeightSet]:
@@ -294,7 +298,8 @@ def unbind(tag: str) -> None:
     """Unmap region ``tag``'s weight set (keep :func:`bound` first to bind it back). Graphs
     guarded by the tag raise :class:`Unbound` until the next :func:`bind`."""
     _refuse_during_capture("unbind")
-    _native.unbind(tag)
+    with _guard.REMAPS:
+        _native.unbind(tag)
 
 
 @contextlib.contextmanager
@@ -389,10 +394,11 @@ class GuardedGraph:
     def replay(self) -> None:
         """Replay the graph, or raise :class:`Asleep` / :class:`Unbound` without launching."""
         tags = list(self.tags)
-        _guard.check(tags)
-        with _guard.already_checked(self.tags):
-            self.graph.replay()
-        _guard.note_use(tags)
+        with _guard.REMAPS:  # no remap between the check and the launch
+            _guard.check(tags)
+            with _guard.already_checked(self.tags):
+                self.graph.replay()
+            _guard.note_use(tags)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.graph, name)

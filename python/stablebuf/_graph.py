@@ -63,8 +63,9 @@ class CUDAGraph(torch.cuda.CUDAGraph):
     def replay(self) -> None:
         """Replay, or raise ``Asleep``/``Unbound`` without launching anything."""
         tags = self.guarded_tags
-        _guard.check(tags)
-        with _guard.already_checked(tags):
-            super().replay()
-        # Regions with fence="last-use" wait for this replay (and no more) before a remap.
-        _guard.note_use(tags)
+        with _guard.REMAPS:  # no remap between the check and the launch
+            _guard.check(tags)
+            with _guard.already_checked(tags):
+                super().replay()
+            # Regions with fence="last-use" wait for this replay (and no more) before a remap.
+            _guard.note_use(tags)

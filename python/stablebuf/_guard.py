@@ -47,6 +47,13 @@ _PATCH_MARKER = "__stablebuf_guard__"
 _TAGS_ATTRIBUTE = "_stablebuf_graph_tags"
 
 _INSTALL_LOCK = threading.Lock()
+# Replays and remaps of regions exclude each other. A guarded replay checks its regions, then
+# launches: a bind, unbind, sleep, wake or snapshot of another thread between the two would
+# wait for the work queued so far and unmap under the launch that follows (the H100 showed an
+# illegal address with a replay thread beside a bind thread). Every guarded replay holds this
+# from its check to its launch, every remap from its fence to its last mapping. Reentrant:
+# a compiled call replays inside its own check, `writing` binds inside a bind's caller.
+REMAPS = threading.RLock()
 _STATS_LOCK = threading.Lock()
 _STATS: Dict[str, int] = {"checked": 0, "refused": 0, "captures": 0}
 _INSTALLED: Dict[str, Any] = {"graphs": False, "trees": False, "trees_error": None}
@@ -318,9 +325,10 @@ def patch_graph_class(graph_class: Any) -> bool:
             if tags is None:  # captured before any region existed: it uses none
                 original_replay(self)
                 return
-            check(tags)
-            original_replay(self)
-            note_use(tags)
+            with REMAPS:
+                check(tags)
+                original_replay(self)
+                note_use(tags)
 
         graph_class.replay = _mark(replay, original_replay)
     return True
@@ -353,12 +361,13 @@ def _tree_entry(original: Callable[..., Any]) -> Callable[..., Any]:
         tags = _tags_of_tree_call(self, new_inputs, function_id)
         # Checked before the manager touches anything (warm-up, recording, input copies, a
         # new generation): a refusal leaves the tree as it was.
-        check(tags)
-        with _AlreadyChecked(tags):
-            out = original(self, *args, **kwargs)
-        # The call queued its warm-up, recording or replay on the current stream: regions with
-        # fence="last-use" wait for it before a remap.
-        note_use(tags)
+        with REMAPS:
+            check(tags)
+            with _AlreadyChecked(tags):
+                out = original(self, *args, **kwargs)
+            # The call queued its warm-up, recording or replay on the current stream: regions
+            # with fence="last-use" wait for it before a remap.
+            note_use(tags)
         return out
 
     return _mark(entry, original)

@@ -34,7 +34,7 @@ import contextlib
 import time
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence
 
-from . import _api, _native
+from . import _api, _guard, _native
 from ._manifest import Entry, Manifest, VersionBook, dtype_name
 from ._native import (
     OfferMismatch,
@@ -260,7 +260,8 @@ class Engine:
             self._pending = (set_id, version)
             self._versions.advance(version)
             return None
-        _native.bind(self.tag, ws)
+        with _guard.REMAPS:  # never between another thread's check and launch
+            _native.bind(self.tag, ws)
         self._versions.advance(version)
         self._switched_to(set_id, version)
         return version
@@ -291,13 +292,15 @@ class Engine:
             return self._bound_version
         if self._pending is not None:
             set_id, version = self._pending
-            _native.wake_onto(self.tag, self._by_id[set_id])
+            with _guard.REMAPS:
+                _native.wake_onto(self.tag, self._by_id[set_id])
             self._pending = None
             self._asleep = False
             self._switched_to(set_id, version)
             return version
         if self._bound_id is not None:
-            _native.wake_onto(self.tag, self._by_id[self._bound_id])
+            with _guard.REMAPS:
+                _native.wake_onto(self.tag, self._by_id[self._bound_id])
         else:
             _api.wake(self.tag)  # the region's own backing: its contents were discarded
         self._asleep = False
