@@ -77,6 +77,22 @@ impl<'a> Reader<'a> {
         self.at = end;
         Ok(out)
     }
+    /// Reads a body's magic and version: [`ProtocolError::BadMagic`] or
+    /// [`ProtocolError::Version`] unless they are `magic` and `version`.
+    pub(crate) fn header(&mut self, magic: &[u8; 4], version: u16) -> Result<(), ProtocolError> {
+        if self.take(4)? != magic {
+            return Err(ProtocolError::BadMagic);
+        }
+        let got = self.u16()?;
+        if got != version {
+            return Err(ProtocolError::Version {
+                got,
+                supported: version,
+            });
+        }
+        Ok(())
+    }
+
     pub(crate) fn u8(&mut self) -> Result<u8, ProtocolError> {
         Ok(self.take(1)?[0])
     }
@@ -145,17 +161,8 @@ impl Message {
     /// Parses a message body. Only the exact bytes [`Message::encode`] writes are accepted:
     /// anything after the message's last field is [`ProtocolError::TrailingBytes`].
     pub fn decode(bytes: &[u8]) -> Result<Message, ProtocolError> {
-        let mut r = Reader { bytes, at: 0 };
-        if r.take(4)? != MAGIC {
-            return Err(ProtocolError::BadMagic);
-        }
-        let version = r.u16()?;
-        if version != PROTOCOL_VERSION {
-            return Err(ProtocolError::Version {
-                got: version,
-                supported: PROTOCOL_VERSION,
-            });
-        }
+        let mut r = Reader::new(bytes);
+        r.header(MAGIC, PROTOCOL_VERSION)?;
         let message = match r.u8()? {
             1 => Message::Offer(Offer {
                 layout_fingerprint: r.u64()?,

@@ -182,16 +182,7 @@ impl PublishMessage {
     /// Parses a body; only the exact bytes [`PublishMessage::encode`] writes are accepted.
     pub fn decode(bytes: &[u8]) -> std::result::Result<Self, ProtocolError> {
         let mut r = Reader::new(bytes);
-        if r.take(4)? != MAGIC {
-            return Err(ProtocolError::BadMagic);
-        }
-        let version = r.u16()?;
-        if version != PUBLISH_VERSION {
-            return Err(ProtocolError::Version {
-                got: version,
-                supported: PUBLISH_VERSION,
-            });
-        }
+        r.header(MAGIC, PUBLISH_VERSION)?;
         let message = match r.u8()? {
             1 => PublishMessage::Offer(SetOffer {
                 set: r.u64()?,
