@@ -68,6 +68,12 @@ pub trait Device: Send + Sync + 'static {
 
     /// An untagged allocation of `bytes` (> 0): its address and handle.
     fn alloc(&self, bytes: usize) -> Result<(u64, Self::Block), Fail>;
+    /// An untagged allocation whose memory is acquired now (out of memory is reported here)
+    /// but not mapped yet: nothing may touch it before [`Device::map_held`], or before a
+    /// [`Device::graft`] onto it maps the source's memory in front and the rest behind.
+    fn alloc_held(&self, bytes: usize) -> Result<(u64, Self::Block), Fail>;
+    /// Maps what a held allocation holds. Does nothing for any other block.
+    fn map_held(&self, block: &mut Self::Block) -> Result<(), Fail>;
     /// Frees an untagged allocation (after the GPU is done with it).
     fn free(&self, block: Self::Block) -> Result<(), Fail>;
     /// Moves `source`'s physical memory under the start of `target` (copy elision). On failure,

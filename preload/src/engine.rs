@@ -7,7 +7,7 @@
 //! must not change under it: a graft and a deferred copy performed at a flush point hold it, so
 //! a concurrent free cannot unmap a source being read.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -34,6 +34,8 @@ struct State<B> {
     table: OwnershipTable<Owner<B>>,
     elider: Elider,
     tags: TagBook,
+    /// Pool allocations whose memory is held but not mapped yet (see [`Engine::alloc`]).
+    held: BTreeSet<u64>,
 }
 
 /// What a free did.
@@ -88,6 +90,11 @@ pub struct Engine<D: Device> {
     state: Mutex<State<D::Block>>,
     /// Mirror of the elider's pending count, read lock-free at every flush point.
     pending: AtomicUsize,
+    /// Mirror of `State::held`'s size, read lock-free at every flush point.
+    held: AtomicUsize,
+    /// The smallest allocation held unmapped until its first use: the smallest copy elision
+    /// defers (a smaller one can never be a deferred copy's destination).
+    held_min: usize,
     /// Bumped at every flush point: an allocation is fresh while it has not moved.
     epoch: AtomicU64,
     /// Set once the layer cannot see every call that may touch memory: nothing is deferred
@@ -118,8 +125,11 @@ impl<D: Device> Engine<D> {
                 table: OwnershipTable::new(),
                 elider: Elider::new(elide_min),
                 tags: TagBook::new(),
+                held: BTreeSet::new(),
             }),
             pending: AtomicUsize::new(0),
+            held: AtomicUsize::new(0),
+            held_min: elide_min.max(1),
             epoch: AtomicU64::new(0),
             unsure: AtomicBool::new(false),
             counters,
@@ -181,7 +191,15 @@ impl<D: Device> Engine<D> {
         let device = self.device(ordinal)?;
         match tag {
             None => {
-                let (address, block) = device.alloc(bytes)?;
+                // With copy elision, a large fresh allocation may be a copy's destination whose
+                // first bytes a graft replaces: hold its memory (out of memory is reported
+                // now) and map it at the first flush point, or map only the rest at the graft.
+                let hold = self.elide && !self.unsure() && bytes >= self.held_min;
+                let (address, block) = if hold {
+                    device.alloc_held(bytes)?
+                } else {
+                    device.alloc(bytes)?
+                };
                 let mut state = lock(&self.state);
                 let owner = Owner::Pool {
                     device: ordinal,
@@ -198,6 +216,15 @@ impl<D: Device> Engine<D> {
                 }
                 let epoch = self.epoch.load(Ordering::SeqCst);
                 state.elider.on_alloc(address, epoch);
+                if hold {
+                    state.held.insert(address);
+                    self.held.store(state.held.len(), Ordering::SeqCst);
+                    // Elision stopped meanwhile: its flush may have run before this insert,
+                    // and from now on calls that touch memory are not all flush points.
+                    if self.unsure() {
+                        self.map_all_held(&mut state)?;
+                    }
+                }
                 Ok(address)
             }
             Some(tag) => {
@@ -246,6 +273,9 @@ impl<D: Device> Engine<D> {
             FreeDecision::Plain
         };
         self.pending.store(state.elider.pending(), Ordering::SeqCst);
+        if state.held.remove(&address) {
+            self.held.store(state.held.len(), Ordering::SeqCst);
+        }
         let entry = state.table.remove(address).expect("looked up above");
         Counters::bump(&self.counters.frees);
         match (entry.payload, decision) {
@@ -289,16 +319,25 @@ impl<D: Device> Engine<D> {
         let Owner::Pool { block: target, .. } = &mut entry.payload else {
             return device.free(source);
         };
+        // Mapped by the graft if held (in front the source's memory, behind the rest).
+        if state.held.remove(&copy.dst) {
+            self.held.store(state.held.len(), Ordering::SeqCst);
+        }
         match device.graft(target, source) {
             Ok(()) => {
                 Counters::bump(&self.counters.copies_elided);
                 Counters::add(&self.counters.bytes_elided, copy.bytes as u64);
                 Ok(())
             }
-            Err((fail, Some(source))) => {
+            Err((fail, Some(mut source))) => {
                 tracing::warn!(%fail, dst = copy.dst, src = copy.src, bytes = copy.bytes,
                     "copy elision: remapping failed, copying instead");
-                let copied = device.copy_now(copy);
+                // A failed graft leaves a held target unmapped (and the source, if nothing
+                // touched it since its malloc): map them for the copy.
+                let copied = device
+                    .map_held(target)
+                    .and_then(|()| device.map_held(&mut source))
+                    .and_then(|()| device.copy_now(copy));
                 Counters::bump(&self.counters.copies_performed);
                 let freed = device.free(source);
                 copied.and(freed)
@@ -318,25 +357,52 @@ impl<D: Device> Engine<D> {
     }
 
     /// Bumps the epoch: nothing allocated before now is fresh any more. The hot path of every
-    /// flush point; returns whether copies are pending (then call [`Engine::flush`]).
+    /// flush point; returns whether copies are pending or allocations held unmapped (then
+    /// call [`Engine::flush`]).
     pub fn touch(&self) -> bool {
         self.epoch.fetch_add(1, Ordering::SeqCst);
-        self.pending.load(Ordering::SeqCst) > 0
+        self.work_pending()
     }
 
-    /// A flush point: performs every deferred copy now.
+    fn work_pending(&self) -> bool {
+        self.pending.load(Ordering::SeqCst) > 0 || self.held.load(Ordering::SeqCst) > 0
+    }
+
+    /// A flush point: maps every held allocation and performs every deferred copy now.
     pub fn flush(&self) -> Result<(), Fail> {
         self.epoch.fetch_add(1, Ordering::SeqCst);
-        if self.pending.load(Ordering::SeqCst) == 0 {
+        if !self.work_pending() {
             return Ok(());
         }
         let mut state = lock(&self.state);
         self.flush_locked(&mut state)
     }
 
-    fn flush_locked(&self, state: &mut State<D::Block>) -> Result<(), Fail> {
-        let copies = state.elider.take_all();
+    /// Maps every held allocation. The count is cleared only once all are mapped, for the
+    /// same reason as the pending copies' (see [`Engine::flush_locked`]).
+    fn map_all_held(&self, state: &mut State<D::Block>) -> Result<(), Fail> {
         let mut first_failure = None;
+        for address in std::mem::take(&mut state.held) {
+            let Some(Owner::Pool { device, block }) =
+                state.table.get_mut(address).map(|e| &mut e.payload)
+            else {
+                continue;
+            };
+            let result = self.device(*device).and_then(|d| d.map_held(block));
+            if let Err(fail) = result {
+                tracing::error!(%fail, address, "mapping a held allocation failed");
+                first_failure.get_or_insert(fail);
+            }
+        }
+        self.held.store(0, Ordering::SeqCst);
+        first_failure.map_or(Ok(()), Err)
+    }
+
+    fn flush_locked(&self, state: &mut State<D::Block>) -> Result<(), Fail> {
+        // Held allocations first: a copy below, or the call after this flush point, may
+        // touch any of them.
+        let mut first_failure = self.map_all_held(state).err();
+        let copies = state.elider.take_all();
         for copy in copies {
             let result = self.device(copy.device).and_then(|d| d.copy_now(&copy));
             Counters::bump(&self.counters.copies_performed);
@@ -585,6 +651,8 @@ mod tests {
         regions: HashMap<String, (bool, usize)>,
         /// Fail the next n allocations with out of memory.
         oom: usize,
+        /// Held allocations (start → bytes): touching one before it is mapped is a GPU fault.
+        held: HashMap<u64, usize>,
         fail_pause: Option<String>,
     }
 
@@ -612,6 +680,15 @@ mod tests {
             lock(&self.inner).log.push(line);
         }
 
+        /// Panics (the fake's GPU fault) if `[address, address + bytes)` meets a held block.
+        fn assert_mapped(&self, address: u64, bytes: usize) {
+            let inner = lock(&self.inner);
+            for (&start, &len) in &inner.held {
+                let overlaps = address < start + len as u64 && start < address + bytes as u64;
+                assert!(!overlaps, "{address:#x} touched while held unmapped");
+            }
+        }
+
         fn carve(&self, bytes: usize) -> u64 {
             let mut inner = lock(&self.inner);
             let address = inner.next;
@@ -636,7 +713,25 @@ mod tests {
             Ok((address, FakeBlock { address, bytes }))
         }
 
+        fn alloc_held(&self, bytes: usize) -> Result<(u64, FakeBlock), Fail> {
+            let (address, block) = self.alloc(bytes)?;
+            let mut inner = lock(&self.inner);
+            inner.held.insert(address, bytes);
+            let line = inner.log.last_mut().expect("alloc logged");
+            *line = format!("alloc_held {address:#x} {bytes}");
+            Ok((address, block))
+        }
+
+        fn map_held(&self, block: &mut FakeBlock) -> Result<(), Fail> {
+            let mut inner = lock(&self.inner);
+            if inner.held.remove(&block.address).is_some() {
+                inner.log.push(format!("map_held {:#x}", block.address));
+            }
+            Ok(())
+        }
+
         fn free(&self, block: FakeBlock) -> Result<(), Fail> {
+            lock(&self.inner).held.remove(&block.address);
             self.say(format!("free {:#x}", block.address));
             Ok(())
         }
@@ -650,8 +745,12 @@ mod tests {
                 return Err((Fail::OutOfMemory("graft".into()), Some(source)));
             }
             assert!(source.bytes <= target.bytes);
-            self.say(format!(
-                "graft {:#x} <- {:#x}",
+            let mut inner = lock(&self.inner);
+            let was_held = inner.held.remove(&target.address).is_some();
+            inner.held.remove(&source.address);
+            let onto = if was_held { " (onto held)" } else { "" };
+            inner.log.push(format!(
+                "graft {:#x} <- {:#x}{onto}",
                 target.address, source.address
             ));
             Ok(())
@@ -661,6 +760,8 @@ mod tests {
             if let Some(hook) = lock(&self.during_copy).as_ref() {
                 hook();
             }
+            self.assert_mapped(copy.dst, copy.bytes);
+            self.assert_mapped(copy.src, copy.bytes);
             self.say(format!(
                 "copy {:#x} <- {:#x} {} on {:#x}",
                 copy.dst, copy.src, copy.bytes, copy.stream
@@ -784,6 +885,12 @@ mod tests {
         fn alloc(&self, b: usize) -> Result<(u64, FakeBlock), Fail> {
             self.0.alloc(b)
         }
+        fn alloc_held(&self, b: usize) -> Result<(u64, FakeBlock), Fail> {
+            self.0.alloc_held(b)
+        }
+        fn map_held(&self, b: &mut FakeBlock) -> Result<(), Fail> {
+            self.0.map_held(b)
+        }
         fn free(&self, b: FakeBlock) -> Result<(), Fail> {
             self.0.free(b)
         }
@@ -904,7 +1011,7 @@ mod tests {
         let (engine, devices, _) = engine(true);
         let engine = Arc::new(engine);
         let a = engine.alloc(0, 3 * GIB / 2, None).unwrap();
-        engine.touch();
+        flush_point(&engine); // a fill kernel on `a`
         let b = engine.alloc(0, 3 * GIB, None).unwrap();
         assert_eq!(engine.copy(d2d(b, a, 3 * GIB / 2)), Ok(Copied::Deferred));
         let seen = Arc::new(Mutex::new(Vec::new()));
@@ -930,16 +1037,121 @@ mod tests {
         *lock(&lock(&devices)[0].during_copy) = None;
     }
 
+    /// What the layer does at a hooked launch, copy or synchronize.
+    fn flush_point<D: Device>(engine: &Engine<D>) {
+        if engine.touch() {
+            engine.flush().unwrap();
+        }
+    }
+
+    #[test]
+    fn large_allocations_are_held_unmapped_until_the_first_flush_point() {
+        let (engine, devices, _) = engine(true);
+        let small = engine.alloc(0, MIB, None).unwrap();
+        let large = engine.alloc(0, GIB, None).unwrap();
+        let never_used = engine.alloc(0, GIB, None).unwrap();
+        let log = lock(&devices)[0].log();
+        assert_eq!(
+            log,
+            vec![
+                format!("alloc {small:#x} {MIB}"),
+                format!("alloc_held {large:#x} {GIB}"),
+                format!("alloc_held {never_used:#x} {GIB}"),
+            ],
+            "below the elision minimum an allocation is mapped at once"
+        );
+        engine.free(never_used).unwrap();
+        assert!(
+            engine.touch(),
+            "a launch must map the held allocation first"
+        );
+        engine.flush().unwrap();
+        assert!(!engine.touch());
+        let log = lock(&devices)[0].log();
+        assert_eq!(
+            &log[3..],
+            &[
+                format!("free {never_used:#x}"),
+                format!("map_held {large:#x}")
+            ],
+            "freed before any use, an allocation is never mapped"
+        );
+        // Without elision nothing is held.
+        let (plain, devices, _) = self::engine(false);
+        let a = plain.alloc(0, GIB, None).unwrap();
+        assert_eq!(lock(&devices)[0].log(), vec![format!("alloc {a:#x} {GIB}")]);
+    }
+
+    #[test]
+    fn once_elision_stops_nothing_is_held_and_held_allocations_are_mapped() {
+        let (engine, devices, _) = engine(true);
+        let a = engine.alloc(0, GIB, None).unwrap();
+        assert_eq!(engine.stop_eliding(), Ok(true));
+        let b = engine.alloc(0, GIB, None).unwrap();
+        assert!(!engine.touch());
+        let log = lock(&devices)[0].log();
+        assert_eq!(
+            log,
+            vec![
+                format!("alloc_held {a:#x} {GIB}"),
+                format!("map_held {a:#x}"),
+                format!("alloc {b:#x} {GIB}"),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_deferred_copy_between_untouched_allocations_maps_both_before_copying() {
+        // Nothing touched either allocation: the copy reads memory nobody wrote, but it must
+        // not fault when it is performed (flush point) or when a graft fails (fallback copy).
+        for failing_graft in [false, true] {
+            let (engine, devices, counters) = engine(true);
+            lock(&devices).clear();
+            let a = engine.alloc(0, GIB, None).unwrap();
+            let b = engine.alloc(0, 2 * GIB, None).unwrap();
+            assert_eq!(engine.copy(d2d(b, a, GIB)), Ok(Copied::Deferred));
+            let fake = lock(&devices)[0].clone();
+            if failing_graft {
+                fake.fail_graft.store(true, Ordering::SeqCst);
+                engine.free(a).unwrap();
+            } else {
+                flush_point(&engine);
+                engine.free(a).unwrap();
+            }
+            let log = fake.log();
+            let copy = log
+                .iter()
+                .position(|l| l.starts_with("copy"))
+                .expect("copied");
+            for address in [a, b] {
+                let mapped = log
+                    .iter()
+                    .position(|l| l == &format!("map_held {address:#x}"));
+                assert!(mapped.is_some_and(|m| m < copy), "{log:?}");
+            }
+            assert_eq!(Counters::get(&counters.copies_performed), 1);
+            assert!(!engine.touch());
+        }
+    }
+
     #[test]
     fn the_resize_idiom_grafts_instead_of_copying() {
         let (engine, devices, counters) = engine(true);
         let a = engine.alloc(0, 3 * GIB / 2, None).unwrap();
-        engine.touch(); // a fill kernel on `a`
+        flush_point(&engine); // a fill kernel on `a`
         let b = engine.alloc(0, 3 * GIB, None).unwrap();
         assert_eq!(engine.copy(d2d(b, a, 3 * GIB / 2)), Ok(Copied::Deferred));
         assert_eq!(engine.free(a), Ok(Freed::Done));
         let log = lock(&devices)[0].log();
-        assert_eq!(log.last().unwrap(), &format!("graft {b:#x} <- {a:#x}"));
+        assert_eq!(
+            log.last().unwrap(),
+            &format!("graft {b:#x} <- {a:#x} (onto held)"),
+            "b's memory was held unmapped until the graft: {log:?}"
+        );
+        assert!(
+            log.contains(&format!("map_held {a:#x}")),
+            "the fill kernel mapped a"
+        );
         assert!(!log.iter().any(|l| l.starts_with("copy")), "{log:?}");
         assert!(
             !log.iter().any(|l| l == &format!("free {a:#x}")),

@@ -195,6 +195,15 @@ impl Device for GpuDevice {
         Ok((block.address(), block))
     }
 
+    fn alloc_held(&self, bytes: usize) -> Result<(u64, Block), Fail> {
+        let block = self.tenant.alloc_held(bytes)?;
+        Ok((block.address(), block))
+    }
+
+    fn map_held(&self, block: &mut Block) -> Result<(), Fail> {
+        block.map_held().map_err(Fail::from)
+    }
+
     fn free(&self, block: Block) -> Result<(), Fail> {
         block.free().map_err(Fail::from)
     }

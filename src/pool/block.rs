@@ -131,6 +131,16 @@ impl Block {
         }
     }
 
+    /// Maps the memory a block from [`Tenant::alloc_held`](crate::Tenant::alloc_held) holds
+    /// unmapped, and gives it its length. Does nothing for a block that holds nothing unmapped
+    /// (any other block, or one mapped already).
+    pub fn map_held(&mut self) -> Result<()> {
+        self.shared
+            .lock()
+            .map_held(self.tenant, self.id)
+            .map_err(|e| self.map_gone(e))
+    }
+
     /// Moves `donor`'s physical memory under the first bytes of this block without copying:
     /// this block's chunks that overlap the donor's mapped bytes are unmapped (after the
     /// tenant's fence) and cached, the donor's chunks are mapped there in order, and whatever
@@ -141,6 +151,11 @@ impl Block {
     ///
     /// All or nothing: on an error both blocks are as they were. [`Error::InvalidShape`] when the
     /// donor is longer than this block, is this block, or belongs to another tenant.
+    ///
+    /// Onto a block that holds its memory unmapped ([`Tenant::alloc_held`](crate::Tenant::alloc_held)),
+    /// the donor's chunks are mapped first and only the rest of the block's length is backed
+    /// (cache first); the held memory goes back to the cache, and the block has the length it
+    /// was allocated with. On an error it still holds its memory unmapped.
     pub fn graft(&mut self, donor: &mut Block) -> Result<()> {
         if !Arc::ptr_eq(&self.shared, &donor.shared) || self.tenant != donor.tenant {
             return Err(Error::InvalidShape(

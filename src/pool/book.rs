@@ -160,7 +160,6 @@ impl ChunkBook {
         self.cached_chunks().map(|(_, b)| b).max().unwrap_or(0)
     }
 
-    #[cfg(test)]
     pub fn bytes_of(&self, id: ChunkId) -> Option<usize> {
         self.chunk(id).map(|chunk| chunk.bytes)
     }

@@ -308,6 +308,26 @@ impl Tenant {
         ))
     }
 
+    /// A block of `bytes` whose memory is acquired now (a refusal is reported here, as by
+    /// [`Tenant::alloc`]) but not mapped: its length is 0 until [`Block::map_held`] maps it, or
+    /// until [`Block::graft`] moves another block's memory under its first bytes and maps only
+    /// the rest. For a caller that learns at its next call whether a fresh block is a copy's
+    /// destination (the preload layer's copy elision): the map, set-access and unmap of the
+    /// part the graft replaces are never paid.
+    pub fn alloc_held(&self, bytes: usize) -> Result<Block> {
+        let mut state = self.shared.lock();
+        let (id, address, capacity) = state.alloc_held(self.id, bytes)?;
+        self.shared.after_request(state);
+        Ok(Block::new(
+            self.shared.clone(),
+            self.id,
+            self.name.clone(),
+            id,
+            address,
+            capacity,
+        ))
+    }
+
     /// Remembers that `stream` uses this tenant's memory (needed with
     /// [`FencePolicy::AttachedStreams`]).
     pub fn attach(&self, stream: &Arc<CudaStream>) -> Result<()> {

@@ -604,4 +604,99 @@ mod grafting {
         assert_eq!(state.stats().mappings, before.mappings);
         state.unregister(tenant).unwrap();
     }
+
+    fn pool(device_granules: usize) -> (Fake, State<Fake>, crate::pool::book::TenantId) {
+        let fake = Fake::new(device_granules * G);
+        let switches = Switches {
+            stitching: true,
+            drain_on_oom: true,
+        };
+        let mut state = State::new(fake.clone(), G, None, switches, FencePolicy::Context, 256);
+        let tenant = state.register("t", 64 * G, None).unwrap();
+        (fake, state, tenant)
+    }
+
+    #[test]
+    fn a_held_block_holds_its_memory_unmapped_until_it_is_mapped() {
+        let (fake, mut state, tenant) = pool(8);
+        let maps = fake.calls(Call::Map);
+        let (block, _, _) = state.alloc_held(tenant, 3 * G).unwrap();
+        let info = state.info(tenant, block).unwrap();
+        assert_eq!(
+            (info.len, info.mapped, info.mappings, info.held),
+            (0, 0, 0, 3 * G)
+        );
+        assert_eq!(fake.calls(Call::Map), maps, "nothing mapped");
+        assert_eq!(fake.live_mappings(), 0);
+        // The memory is the block's: a request past the device is refused at allocation.
+        assert!(state
+            .alloc_held(tenant, 6 * G)
+            .unwrap_err()
+            .is_out_of_memory());
+        state.map_held(tenant, block).unwrap();
+        let info = state.info(tenant, block).unwrap();
+        assert_eq!((info.len, info.mapped, info.held), (3 * G, 3 * G, 0));
+        assert_eq!(fake.calls(Call::Map), maps + 1);
+        state.map_held(tenant, block).unwrap(); // nothing left to map
+        assert_eq!(fake.calls(Call::Map), maps + 1);
+        // Freed unmapped, a held block's memory goes to the cache.
+        let (unused, _, _) = state.alloc_held(tenant, 2 * G).unwrap();
+        let cached = state.stats().cached;
+        state.free(tenant, unused).unwrap();
+        assert_eq!(state.stats().cached, cached + 2 * G);
+        let (left_held, _, _) = state.alloc_held(tenant, 2 * G).unwrap();
+        let _ = left_held;
+        state.unregister(tenant).unwrap();
+        assert_eq!(fake.live_mappings(), 0);
+    }
+
+    #[test]
+    fn a_graft_onto_a_held_block_maps_the_donor_and_only_the_rest() {
+        let (fake, mut state, tenant) = pool(64);
+        // The resize idiom, twice: the second round reuses only cached memory.
+        for round in 0..2 {
+            let (donor, _, _) = state.alloc(tenant, 3 * G, 3 * G).unwrap();
+            let creates = fake.calls(Call::Create);
+            let (maps, accesses) = (fake.calls(Call::Map), fake.calls(Call::Access));
+            let (target, _, _) = state.alloc_held(tenant, 6 * G).unwrap();
+            state.graft(tenant, target, donor).unwrap();
+            let info = state.info(tenant, target).unwrap();
+            assert_eq!((info.len, info.mapped, info.held), (6 * G, 6 * G, 0));
+            assert_eq!(info.mappings, 2, "the donor's chunk, then the tail's");
+            assert_eq!(fake.calls(Call::Map) - maps, 2, "round {round}");
+            assert_eq!(fake.calls(Call::Access) - accesses, 2, "round {round}");
+            if round > 0 {
+                assert_eq!(fake.calls(Call::Create), creates, "all from the cache");
+            }
+            assert!(state.info(tenant, donor).is_err(), "the donor is gone");
+            assert_eq!(fake.live_mappings(), state.stats().mappings);
+            state.free(tenant, target).unwrap();
+        }
+        state.unregister(tenant).unwrap();
+    }
+
+    #[test]
+    fn a_failed_graft_onto_a_held_block_leaves_both_as_they_were() {
+        let (fake, mut state, tenant) = pool(64);
+        let (donor, _, _) = state.alloc(tenant, 2 * G, 2 * G).unwrap();
+        let (target, _, _) = state.alloc_held(tenant, 4 * G).unwrap();
+        fake.fail(Call::Map, 0);
+        assert!(state.graft(tenant, target, donor).is_err());
+        fake.clear_failure();
+        let donor_info = state.info(tenant, donor).unwrap();
+        assert_eq!((donor_info.len, donor_info.mapped), (2 * G, 2 * G));
+        let info = state.info(tenant, target).unwrap();
+        assert_eq!((info.len, info.mapped, info.held), (0, 0, 4 * G));
+        assert_eq!(fake.live_mappings(), state.stats().mappings);
+        // Then the caller's fallback: map the target and copy.
+        state.map_held(tenant, target).unwrap();
+        assert_eq!(state.info(tenant, target).unwrap().len, 4 * G);
+        // A donor longer than the target is refused before anything moves.
+        let (longer, _, _) = state.alloc(tenant, 6 * G, 6 * G).unwrap();
+        let (short, _, _) = state.alloc_held(tenant, 2 * G).unwrap();
+        assert!(state.graft(tenant, short, longer).is_err());
+        assert_eq!(state.info(tenant, short).unwrap().held, 2 * G);
+        state.unregister(tenant).unwrap();
+        assert_eq!(fake.live_mappings(), 0);
+    }
 }

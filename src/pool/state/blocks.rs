@@ -58,6 +58,8 @@ impl<B: Backend> State<B> {
                 capacity: carved,
                 len: 0,
                 segments: Vec::new(),
+                held: Vec::new(),
+                held_len: 0,
             },
         );
         self.next_block += 1;
@@ -96,12 +98,19 @@ impl<B: Backend> State<B> {
             capacity: block_state.capacity,
             mapped: block_state.mapped(),
             mappings: block_state.segments.len(),
+            held: block_state
+                .held
+                .iter()
+                .map(|&(id, _)| self.book.bytes_of(id).unwrap_or(0))
+                .sum(),
         })
     }
 
     /// Maps more memory behind the block so it holds `new_len` bytes; nothing moves.
     pub(crate) fn grow(&mut self, tenant: TenantId, block: BlockId, new_len: usize) -> Result<()> {
         self.tenant(tenant)?.fence.check_not_capturing()?;
+        // What the block holds unmapped comes first: it is where its first bytes live.
+        self.map_held(tenant, block)?;
         let info = self.info(tenant, block)?;
         if new_len < info.len {
             return Err(Error::InvalidShape(format!(
@@ -206,6 +215,8 @@ impl<B: Backend> State<B> {
             debug_assert!(released);
         }
         self.drop_segments(tenant, block, block_state.segments, fenced.is_ok());
+        // Never mapped, so nothing can use it: back to the cache whatever the fence said.
+        self.give_back_all(&block_state.held);
         self.log(
             EventKind::Free { block },
             Some(tenant),

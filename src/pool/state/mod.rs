@@ -17,6 +17,7 @@ use crate::fence::FencePolicy;
 
 mod blocks;
 mod chunks;
+mod held;
 mod segments;
 mod statistics;
 mod tenants;
@@ -71,6 +72,11 @@ pub(super) struct BlockState<B: Backend> {
     capacity: usize,
     len: usize,
     segments: Vec<Segment<B>>,
+    /// Chunks acquired for the block but not mapped yet ([`State::alloc_held`]): the memory
+    /// is the block's (a refusal was reported at allocation), the mapping comes later.
+    held: Vec<(ChunkId, bool)>,
+    /// The length the block gets once `held` is mapped.
+    held_len: usize,
 }
 
 /// One chunk mapped into a block, at `offset` bytes from the block's start.
@@ -103,6 +109,9 @@ pub struct BlockInfo {
     pub mapped: usize,
     /// Mappings (chunks) behind it: 1 for a fresh block; more when stitched or grown.
     pub mappings: usize,
+    /// Bytes of physical memory held for the block but not mapped yet
+    /// ([`Tenant::alloc_held`](crate::Tenant::alloc_held)); 0 once mapped.
+    pub held: usize,
 }
 
 fn over_budget(refused: OverBudget, name: &str) -> Error {

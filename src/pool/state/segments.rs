@@ -10,7 +10,7 @@ use crate::pool::events::{BlockId, EventKind};
 impl<B: Backend> State<B> {
     /// Maps `chunks` side by side into `block` from `offset` bytes on, with one set-access for
     /// the whole run. Commits nothing: on failure nothing stays mapped and the error is returned.
-    fn map_run(
+    pub(super) fn map_run(
         &self,
         tenant: TenantId,
         block: BlockId,
@@ -45,7 +45,7 @@ impl<B: Backend> State<B> {
     }
 
     /// Adds mapped segments to `block` (keeping them in offset order) and logs them.
-    fn commit_segments(
+    pub(super) fn commit_segments(
         &mut self,
         tenant: TenantId,
         block: BlockId,
@@ -129,7 +129,7 @@ impl<B: Backend> State<B> {
         }
     }
 
-    fn log_unmap(
+    pub(super) fn log_unmap(
         &mut self,
         tenant: TenantId,
         block: BlockId,
@@ -154,6 +154,9 @@ impl<B: Backend> State<B> {
             return Err(Error::InvalidShape(
                 "a block cannot be grafted onto itself".into(),
             ));
+        }
+        if self.holds_unmapped(tenant, target) {
+            return self.graft_onto_held(tenant, target, donor);
         }
         let target_info = self.info(tenant, target)?;
         let donor_info = self.info(tenant, donor)?;
@@ -240,7 +243,7 @@ impl<B: Backend> State<B> {
 
     /// Maps the pieces of an interrupted graft back where they were. Best effort: what cannot
     /// be mapped back goes to the cache, and the block's length shrinks to what is mapped.
-    fn undo_graft(
+    pub(super) fn undo_graft(
         &mut self,
         tenant: TenantId,
         target: BlockId,

@@ -66,6 +66,7 @@ impl<B: Backend> State<B> {
         let capacity = state.reservation.bytes();
         for (block, block_state) in state.blocks {
             self.drop_segments(tenant, block, block_state.segments, fenced.is_ok());
+            self.give_back_all(&block_state.held);
         }
         let closed = self.book.close_account(tenant);
         debug_assert!(closed || fenced.is_err());
