@@ -20,6 +20,8 @@
 #   torch-*       CUDA graph + pause/resume of the weights' tag; training with and without it
 #   tms-compare   pause/resume against torch_memory_saver
 # Ends with "preload GPU demos: N passed, M failed"; exit status 1 if any step failed.
+# ONLY="seed catch elision torch tms" (any of them) runs only those groups (scripts/perf-check
+# runs ONLY=seed for the resize ratio).
 
 set -u -o pipefail
 
@@ -44,6 +46,9 @@ PASSED=0
 FAILED=0
 FAILED_STEPS=""
 STARTED=$(date +%s)
+ONLY=${ONLY:-seed catch elision torch tms}
+# wants GROUP: whether ONLY names the group.
+wants() { case " $ONLY " in *" $1 "*) return 0 ;; esac; return 1; }
 
 echo "stablebuf-preload GPU demos"
 echo "  library: $LIB ($(stat -c %s "$LIB") bytes)"
@@ -152,7 +157,7 @@ seed=(env LD_LIBRARY_PATH="$SEED_LIBS")
 layer=(env LD_LIBRARY_PATH="$SEED_LIBS" LD_PRELOAD="$LIB")
 
 # ---- seed scenarios -----------------------------------------------------------------------
-if [ $BUILT -eq 1 ]; then
+if [ $BUILT -eq 1 ] && wants seed; then
     step seed-none 120 "${seed[@]}" "$SEED" all
     step seed-monitor 120 "${layer[@]}" STABLEBUF_PRELOAD_MODE=monitor \
         STABLEBUF_PRELOAD_TIMELINE="$OUTDIR/seed-monitor.svg" "$SEED" all
@@ -166,7 +171,8 @@ if [ $BUILT -eq 1 ]; then
         none="$OUTDIR/seed-none.log" monitor="$OUTDIR/seed-monitor.log" \
         vmm="$OUTDIR/seed-vmm.log" vmm+elision="$OUTDIR/seed-vmm-elision.log" \
         vmm-no-stitching="$OUTDIR/seed-vmm-no-stitching.log"
-
+fi
+if [ $BUILT -eq 1 ] && wants catch; then
     step catch-none 60 "${seed[@]}" "$SEED" catch
     step catch-monitor 60 "${layer[@]}" STABLEBUF_PRELOAD_MODE=monitor "$SEED" catch
     step catch-vmm 60 "${layer[@]}" STABLEBUF_PRELOAD_MODE=vmm "$SEED" catch
@@ -176,7 +182,7 @@ fi
 # ---- copy elision: every interleaving, then random programs -------------------------------
 elide=(env LD_LIBRARY_PATH="$SEED_LIBS" LD_PRELOAD="$LIB" STABLEBUF_PRELOAD_MODE=vmm
     STABLEBUF_PRELOAD_ELIDE_COPIES=1 STABLEBUF_PRELOAD_ELIDE_MIN=1M)
-if step elision-build 240 build_elision; then
+if wants elision && step elision-build 240 build_elision; then
     for mode in legacy per-thread; do
         step elision-$mode-none 60 "${seed[@]}" "$ELIDE_BIN-$mode" all
         step elision-$mode-vmm 60 "${elide[@]}" "$ELIDE_BIN-$mode" all
@@ -188,6 +194,7 @@ if step elision-build 240 build_elision; then
 fi
 
 # ---- PyTorch ------------------------------------------------------------------------------
+if wants torch; then
 step torch-graph-pause 180 env LD_PRELOAD="$LIB" STABLEBUF_PRELOAD_MODE=vmm \
     STABLEBUF_PRELOAD_TIMELINE="$OUTDIR/torch-graph-pause.svg" "$PY" "$DEMO/torch_graph_pause.py"
 step torch-train-plain 180 env CUBLAS_WORKSPACE_CONFIG=:4096:8 \
@@ -196,6 +203,7 @@ step torch-train-vmm 180 env CUBLAS_WORKSPACE_CONFIG=:4096:8 LD_PRELOAD="$LIB" S
     "$PY" "$DEMO/torch_train.py" --out "$OUTDIR/train-vmm.json"
 step torch-train-compare 60 "$PY" "$DEMO/torch_train.py" \
     --compare "$OUTDIR/train-plain.json" "$OUTDIR/train-vmm.json"
+fi
 
 # ---- torch_memory_saver -------------------------------------------------------------------
 install_tms() {
@@ -211,7 +219,9 @@ install_tms() {
     ls "$SITE" | grep -E "torch_memory_saver"
 }
 export -f install_tms
-if [ -n "$WHEELS" ]; then
+if ! wants tms; then
+    :
+elif [ -n "$WHEELS" ]; then
     if step tms-install 120 install_tms; then
         step tms-compare 400 "$PY" "$DEMO/tms_compare.py" --lib "$LIB" --tms-site "$SITE" --out "$OUTDIR"
     fi

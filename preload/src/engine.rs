@@ -194,7 +194,7 @@ impl<D: Device> Engine<D> {
                 // With copy elision, a large fresh allocation may be a copy's destination whose
                 // first bytes a graft replaces: hold its memory (out of memory is reported
                 // now) and map it at the first flush point, or map only the rest at the graft.
-                let hold = self.elide && !self.unsure() && bytes >= self.held_min;
+                let hold = self.would_hold(bytes);
                 let (address, block) = if hold {
                     device.alloc_held(bytes)?
                 } else {
@@ -250,6 +250,11 @@ impl<D: Device> Engine<D> {
                 Ok(address)
             }
         }
+    }
+
+    /// Whether an untagged allocation of `bytes` would be held unmapped until its first use.
+    pub fn would_hold(&self, bytes: usize) -> bool {
+        self.elide && !self.unsure() && bytes >= self.held_min
     }
 
     /// Frees `address` if the layer owns it.

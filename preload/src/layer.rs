@@ -213,6 +213,10 @@ impl Layer {
             Api::Driver => real::driver_current_device()?,
         };
         let tag = tags::current();
+        if tag.is_none() && engine.would_hold(bytes) {
+            // A held allocation faults if a library's unseen launch touches it first.
+            self.check_unseen_launchers(engine);
+        }
         let result = engine.alloc(device, bytes, tag.clone());
         match &result {
             Ok(address) => tracing::debug!(
@@ -302,17 +306,23 @@ impl Layer {
         let _busy = Busy::new(&self.busy);
         let _context = real::ContextGuard::save();
         if call.device_to_device && !engine.unsure() {
-            if let Some((path, fragment)) = real::unseen_launcher_loaded() {
-                self.stop_eliding_with(
-                    engine,
-                    &format!(
-                        "{path} is loaded ({fragment}*: a library that launches GPU work \
-                         the layer cannot see)"
-                    ),
-                );
-            }
+            self.check_unseen_launchers(engine);
         }
         engine.copy(call)
+    }
+
+    /// Stops elision for good if a library that launches GPU work outside the hooks is
+    /// loaded (rescans only when objects were loaded since the last look).
+    fn check_unseen_launchers(&self, engine: &Engine<GpuDevice>) {
+        if let Some((path, fragment)) = real::unseen_launcher_loaded() {
+            self.stop_eliding_with(
+                engine,
+                &format!(
+                    "{path} is loaded ({fragment}*: a library that launches GPU work the layer \
+                     cannot see)"
+                ),
+            );
+        }
     }
 
     /// Copy elision stops for good: pending copies are performed now, none is deferred
