@@ -57,8 +57,8 @@ pub(super) struct RegionState {
     /// Set by `unbind`: the span is deliberately unmapped.
     unbound: bool,
     /// The region's own weight set for copy switches: made and bound on the first one, copied
-    /// into by each; never a set a caller made. Dropped on sleep and unbind (and when the
-    /// region outgrows it), so it holds memory only while copy switches may use it.
+    /// into by each; never a set a caller made. Dropped on sleep, unbind, and a snapshot after
+    /// the region outgrew it, so it holds memory only while copy switches may use it.
     live: Option<Snapshot>,
     sleeping: Option<Sleeping>,
     pub(super) fence: Fence,
@@ -377,13 +377,6 @@ impl RegionState {
                     mapping,
                 });
                 self.book.set_consolidated(span_end);
-                if self
-                    .live
-                    .as_ref()
-                    .is_some_and(|live| live.bytes() < span_end)
-                {
-                    self.live = None; // too short for the span now: the next copy makes one
-                }
                 Ok(())
             }
             Err(error) => {
@@ -450,6 +443,9 @@ impl RegionState {
         // The span is one mapping now: one copy.
         driver::copy_device(stream, fixed.reservation.base(), home, span_end)?;
         driver::synchronize_stream(stream)?;
+        if self.live.as_ref().is_some_and(|l| l.bytes() < span_end) {
+            self.live = None; // too short for the span now: the next copy switch makes one
+        }
         Ok(snapshot)
     }
 
