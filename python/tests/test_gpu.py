@@ -249,7 +249,9 @@ def _switch_fixture(torch, tag, fence="device"):
     names = [n for n, _ in model.named_parameters()]
     params = [p for _, p in model.named_parameters()]
     states = [{n: p.detach().clone() for n, p in zip(names, params)}]
-    states += [{n: torch.randn_like(v) * 0.05 + 0.01 for n, v in states[0].items()} for _ in range(2)]
+    states += [
+        {n: torch.randn_like(v) * 0.05 + 0.01 for n, v in states[0].items()} for _ in range(2)
+    ]
     sets = [stablebuf.snapshot(tag), stablebuf.snapshot(tag)]
     sets.insert(0, stablebuf.bound(tag))
     for weights, state in zip(sets[1:], states[1:]):
