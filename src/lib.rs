@@ -75,7 +75,9 @@
 //! chunks into one range and drains its cache on out-of-memory, budgets shared by tenants,
 //! statistics and an SVG timeline. [`region::Region`] is what allocator hooks (the preload
 //! layer, the Python package) build on: a tag's allocations side by side, slept, woken and
-//! swapped with one mapping for the whole span.
+//! swapped with one mapping for the whole span, or, below the device's crossover (about 100 MiB
+//! on an H100, where a copy is cheaper than a remap), switched by a copy
+//! ([`region::Region::switch_to`], [`region::SwitchStrategy`]).
 //!
 //! ## Layers
 //! Each module imports only from the lines above it (`scripts/module-graph` checks that there
