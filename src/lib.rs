@@ -86,8 +86,9 @@
 //!   error, ids, hash                    leaves
 //!   driver                              the only unsafe: VMM, graphs, launches, host memory, fds
 //!   buffer, fence, host, layout         operands and range checks, waiting, host copies, arithmetic
+//!   strategy                            bind cost model (remap or copy)
 //!   kernels, pool, view                 launchers and cuBLAS, elastic memory, typed views
-//!   dataset, region, strategy           backing for one group, tagged regions, bind cost model
+//!   dataset, region                     backing for one group, tagged regions
 //!   space (bind)                        the one place that unmaps under a space
 //!   graph, share, sleep                 capture/replay/update, fd sharing, sleep and wake
 //!   pipeline                            lanes of spaces and graphs

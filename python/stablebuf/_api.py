@@ -359,7 +359,9 @@ def crossover_bytes(device: Optional[int] = None) -> Optional[int]:
 
 
 def bound(tag: str) -> Optional[WeightSet]:
-    """The weight set under region ``tag`` now (``None`` before the first snapshot or wake)."""
+    """The weight set under region ``tag`` now (``None`` before the first snapshot or wake).
+    After a :func:`switch` that copied, it is the region's own live set, which the next copy
+    switch overwrites: take a :func:`snapshot` to keep its contents."""
     return _native.bound(tag)
 
 

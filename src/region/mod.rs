@@ -326,7 +326,9 @@ impl Region {
     }
 
     /// The snapshot under the span now, if the region is consolidated (after a snapshot or a
-    /// wake): keep it to swap back to these contents later.
+    /// wake): keep it to swap back to these contents later. After a copy
+    /// [switch](Region::switch_to) it is the region's own live set, which the next copy switch
+    /// overwrites: take a [snapshot](Region::snapshot) to keep those contents.
     pub fn bound(&self) -> Option<Snapshot> {
         self.lock().bound()
     }
