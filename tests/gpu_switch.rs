@@ -61,6 +61,17 @@ fn random_contents(rng: &mut StdRng, sizes: &[usize]) -> Contents {
         .collect()
 }
 
+/// `count` random words, never zero: 1 Mi random words, repeated with a rotation per repeat
+/// (cheap for hundreds of MiB, and no two repeats alike).
+fn random_words(rng: &mut StdRng, count: usize) -> Vec<u32> {
+    let block: Vec<u32> = (0..count.min(1 << 20))
+        .map(|_| rng.gen_range(1..=u32::MAX))
+        .collect();
+    (0..count)
+        .map(|i| block[i % block.len()].rotate_left((i / block.len()) as u32 % 31 + 1))
+        .collect()
+}
+
 /// A region with one allocation per size, a region for the graph's output, and a staging region
 /// that reads weight sets at their home addresses.
 struct World {
@@ -211,6 +222,9 @@ fn switches_by_copy_and_by_remap_read_each_set_and_never_change_the_callers_sets
     let w = world(&gpu, &SIZES);
     let (sets, contents) = make_sets(&gpu, &w, &mut rng, 4);
     let span = w.region.stats().span;
+    for set in &sets {
+        set.home_ptr().unwrap(); // mapped now, so the memory check below sees only copies
+    }
     let graph = w.capture(&gpu);
     use SwitchStrategy::{Copy, Remap};
     // Copy after copy (the live set stays bound), copy after remap (the live set is bound
@@ -473,9 +487,7 @@ fn load_copies_over_the_bound_set_and_every_refusal_is_typed_and_changes_nothing
 
     // Allocations past the sets' span, then a set shorter than the span.
     let extra = w.region.alloc(2 * MIB).unwrap();
-    let tail: Vec<u32> = (0..2 * MIB / 4)
-        .map(|_| rng.gen_range(1..=u32::MAX))
-        .collect();
+    let tail = random_words(&mut rng, 2 * MIB / 4);
     w.region.write(&gpu.stream, extra, &tail).unwrap();
     for set in &sets[1..] {
         assert!(matches!(
@@ -542,9 +554,7 @@ fn auto_goes_the_way_the_calibrated_model_says_for_8_mib_and_512_mib() {
         let span = region.stats().span;
         let mut data = Vec::new();
         for set in [&set_a, &set_b] {
-            let words: Vec<u32> = (0..bytes / 4)
-                .map(|_| rng.gen_range(1..=u32::MAX))
-                .collect();
+            let words = random_words(&mut rng, bytes / 4);
             region.bind(set).unwrap();
             region.write(&gpu.stream, address, &words).unwrap();
             data.push(words);

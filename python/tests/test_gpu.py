@@ -246,6 +246,7 @@ def _switch_fixture(torch, tag, fence="device"):
 
     with stablebuf.region(tag, fence=fence):
         model = build()
+    torch.cuda.synchronize()  # the build's kernels wrote the region unnoted
     names = [n for n, _ in model.named_parameters()]
     params = [p for _, p in model.named_parameters()]
     states = [{n: p.detach().clone() for n, p in zip(names, params)}]
