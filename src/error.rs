@@ -277,7 +277,9 @@ pub enum Error {
     },
 
     /// Binding, unbinding or dropping backing while a stream capture is in progress would
-    /// invalidate the capture (and the driver forbids it in global capture mode).
+    /// invalidate the capture (and the driver forbids it in global capture mode); a weight-set
+    /// copy ([`Region::load`](crate::region::Region::load), a copy switch) would be recorded
+    /// into the graph.
     #[error("cannot change bindings while a stream capture is in progress")]
     BindDuringCapture,
 

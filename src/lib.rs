@@ -75,7 +75,9 @@
 //! chunks into one range and drains its cache on out-of-memory, budgets shared by tenants,
 //! statistics and an SVG timeline. [`region::Region`] is what allocator hooks (the preload
 //! layer, the Python package) build on: a tag's allocations side by side, slept, woken and
-//! swapped with one mapping for the whole span.
+//! swapped with one mapping for the whole span, or, below the device's crossover (about 100 MiB
+//! on an H100, where a copy is cheaper than a remap), switched by a copy
+//! ([`region::Region::switch_to`], [`region::SwitchStrategy`]).
 //!
 //! ## Layers
 //! Each module imports only from the lines above it (`scripts/module-graph` checks that there
@@ -84,8 +86,9 @@
 //!   error, ids, hash                    leaves
 //!   driver                              the only unsafe: VMM, graphs, launches, host memory, fds
 //!   buffer, fence, host, layout         operands and range checks, waiting, host copies, arithmetic
+//!   strategy                            bind cost model (remap or copy)
 //!   kernels, pool, view                 launchers and cuBLAS, elastic memory, typed views
-//!   dataset, region, strategy           backing for one group, tagged regions, bind cost model
+//!   dataset, region                     backing for one group, tagged regions
 //!   space (bind)                        the one place that unmaps under a space
 //!   graph, share, sleep                 capture/replay/update, fd sharing, sleep and wake
 //!   pipeline                            lanes of spaces and graphs

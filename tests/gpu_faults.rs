@@ -1,7 +1,7 @@
 //! A driver failure at every call site: each scenario (bind, rebind, copy-in binds, offload and
 //! restore through each storage, space sleep and wake, pool alloc with stitching, drain on
 //! out-of-memory, grow, shrink, free, drain, graft, register, region alloc, sleep, wake,
-//! snapshot and bind, IPC export and import, capture, replay, update check) is run once clean
+//! snapshot and bind, region load and copy switch, IPC export and import, capture, replay, update check) is run once clean
 //! while the fault-injection seam records every driver call it makes; then, for each of those
 //! calls in turn, the scenario is set up afresh and that one call fails
 //! (`CUDA_ERROR_OUT_OF_MEMORY` for calls that create memory, `CUDA_ERROR_LAUNCH_FAILED` for
@@ -33,7 +33,7 @@ use common::{gpu, Gpu};
 use stablebuf::cudarc::driver::sys::{CUresult, CUstreamCaptureStatus};
 use stablebuf::fault_injection::{self as inject, Call, Fault, Fired, Handles};
 use stablebuf::pool::BlockInfo;
-use stablebuf::region::{Region, RegionOptions, Snapshot};
+use stablebuf::region::{Region, RegionOptions, Snapshot, SwitchStrategy, Switched};
 use stablebuf::share::{receive_message, Message};
 use stablebuf::{
     buffer, receive_dataset, send_dataset, BindStrategy, Block, Dataset, ElasticPool, Error,
@@ -1134,6 +1134,44 @@ fn contents_intact(fx: &Fx, w: &Regions) {
     }
 }
 
+/// A consolidated region whose allocations hold their seeds, with its bound set and a second
+/// set holding seed + 100 (filled through its home address): `snapshots = [bound, other]`.
+fn region_with_two_sets(fx: &Fx) -> Regions {
+    let mut w = region_world(fx, false, false);
+    let other = w.region.snapshot(&fx.gpu.stream).unwrap();
+    let current = w.region.bound().unwrap();
+    fill_home(fx, &w, &other, 100);
+    w.snapshots = vec![current, other];
+    w
+}
+
+fn fill_home(fx: &Fx, w: &Regions, snapshot: &Snapshot, add: u32) {
+    let home = snapshot.home_ptr().unwrap();
+    for &(ptr, bytes, seed) in &w.allocations {
+        let range = DeviceRange {
+            ptr: home + (ptr - w.region.base()),
+            bytes,
+        };
+        patterns::fill(&fx.gpu, &range, seed + add);
+    }
+}
+
+/// How many words of `snapshot`, read at its home address, differ from the allocations'
+/// seeds plus `add`.
+fn home_errors(fx: &Fx, w: &Regions, snapshot: &Snapshot, add: u32) -> u64 {
+    let home = snapshot.home_ptr().unwrap();
+    w.allocations
+        .iter()
+        .map(|&(ptr, bytes, seed)| {
+            let range = DeviceRange {
+                ptr: home + (ptr - w.region.base()),
+                bytes,
+            };
+            patterns::errors(&fx.gpu, &range, seed + add)
+        })
+        .sum()
+}
+
 fn region_scenarios() -> Vec<Scenario<Regions>> {
     vec![
         scenario(
@@ -1217,21 +1255,7 @@ fn region_scenarios() -> Vec<Scenario<Regions>> {
         ),
         scenario(
             "region bind",
-            |fx| {
-                let mut w = region_world(fx, false, false);
-                let other = w.region.snapshot(&fx.gpu.stream).unwrap();
-                let current = w.region.bound().unwrap();
-                let home = other.home_ptr().unwrap();
-                for &(ptr, bytes, seed) in &w.allocations {
-                    let range = DeviceRange {
-                        ptr: home + (ptr - w.region.base()),
-                        bytes,
-                    };
-                    patterns::fill(&fx.gpu, &range, seed + 100);
-                }
-                w.snapshots = vec![current, other];
-                w
-            },
+            region_with_two_sets,
             |_, w| w.region.bind(&w.snapshots[1]),
             |fx, w, _| {
                 assert!(w.region.bound().unwrap().same_as(&w.snapshots[0]));
@@ -1239,6 +1263,52 @@ fn region_scenarios() -> Vec<Scenario<Regions>> {
             },
             |fx, w| {
                 assert!(w.region.bound().unwrap().same_as(&w.snapshots[1]));
+                for a in &mut w.allocations {
+                    a.2 += 100;
+                }
+                contents_intact(fx, w);
+            },
+        ),
+        scenario(
+            "region load",
+            region_with_two_sets,
+            |fx, w| w.region.load(&w.snapshots[1], &fx.gpu.stream),
+            |fx, w, _| {
+                assert!(w.region.bound().unwrap().same_as(&w.snapshots[0]));
+                contents_intact(fx, w);
+                assert_eq!(home_errors(fx, w, &w.snapshots[1], 100), 0);
+            },
+            |fx, w| {
+                // The bound set was overwritten (that is what load does); the source was not.
+                assert!(w.region.bound().unwrap().same_as(&w.snapshots[0]));
+                assert_eq!(home_errors(fx, w, &w.snapshots[1], 100), 0);
+                for a in &mut w.allocations {
+                    a.2 += 100;
+                }
+                contents_intact(fx, w);
+            },
+        ),
+        scenario(
+            "region copy switch",
+            region_with_two_sets,
+            |fx, w| {
+                let way =
+                    w.region
+                        .switch_to(&w.snapshots[1], SwitchStrategy::Copy, &fx.gpu.stream)?;
+                assert_eq!(way, Switched::Copied);
+                Ok(())
+            },
+            |fx, w, _| {
+                assert!(w.region.bound().unwrap().same_as(&w.snapshots[0]));
+                contents_intact(fx, w);
+                assert_eq!(home_errors(fx, w, &w.snapshots[1], 100), 0);
+            },
+            |fx, w| {
+                // The live set is bound and holds set 1's bytes; both sets are unchanged.
+                let live = w.region.bound().unwrap();
+                assert!(!live.same_as(&w.snapshots[0]) && !live.same_as(&w.snapshots[1]));
+                assert_eq!(home_errors(fx, w, &w.snapshots[0], 0), 0);
+                assert_eq!(home_errors(fx, w, &w.snapshots[1], 100), 0);
                 for a in &mut w.allocations {
                     a.2 += 100;
                 }

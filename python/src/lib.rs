@@ -19,7 +19,7 @@ pub mod regions;
 pub mod stats;
 pub mod tags;
 
-use pyo3::exceptions::{PyBaseException, PyException};
+use pyo3::exceptions::{PyBaseException, PyException, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use stablebuf::region::Snapshot;
@@ -254,6 +254,35 @@ fn bind(py: Python<'_>, tag: &str, weights: &Bound<'_, WeightSet>) -> PyResult<O
     Ok(previous.map(|snapshot| weight_set(tag, snapshot)))
 }
 
+/// Makes `tag`'s region read `weights` by `strategy` (`"auto"`, `"copy"` or `"remap"`): a remap
+/// as `bind`, or a copy on `stream` into the region's own live set. Returns which way it went,
+/// `"copy"` or `"remap"`.
+#[pyfunction]
+fn switch(
+    py: Python<'_>,
+    tag: &str,
+    weights: &Bound<'_, WeightSet>,
+    strategy: &str,
+    stream: usize,
+) -> PyResult<&'static str> {
+    let Some(strategy) = regions::parse_strategy(strategy) else {
+        return Err(PyValueError::new_err(format!(
+            "strategy must be \"auto\", \"copy\" or \"remap\", not {strategy:?}"
+        )));
+    };
+    let weights = weights.get();
+    let way =
+        py.detach(|| regions::switch(tag, &weights.snapshot, &weights.tag, strategy, stream))?;
+    Ok(regions::way_name(way))
+}
+
+/// The weight-set size in bytes above which a remap is cheaper than a copy on CUDA device
+/// `device` (its cost model, calibrated once per process), or `None` if one way always wins.
+#[pyfunction]
+fn crossover_bytes(py: Python<'_>, device: i32) -> PyResult<Option<usize>> {
+    Ok(py.detach(|| regions::crossover_bytes(device))?)
+}
+
 /// The weight set bound under `tag` now (`None` before the first snapshot or wake).
 #[pyfunction]
 fn bound(tag: &str) -> PyResult<Option<WeightSet>> {
@@ -354,6 +383,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(wake, m)?)?;
     m.add_function(wrap_pyfunction!(snapshot, m)?)?;
     m.add_function(wrap_pyfunction!(bind, m)?)?;
+    m.add_function(wrap_pyfunction!(switch, m)?)?;
+    m.add_function(wrap_pyfunction!(crossover_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(bound, m)?)?;
     m.add_function(wrap_pyfunction!(unbind, m)?)?;
     m.add_function(wrap_pyfunction!(check_replayable, m)?)?;

@@ -11,8 +11,10 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use stablebuf::cudarc::driver::{sys, CudaContext, CudaStream};
-use stablebuf::region::{timeline_svg, Region, RegionOptions, RegionStats, Snapshot};
-use stablebuf::{FencePolicy, HostArena, HostStorage, StorageUsed, TransferReport};
+use stablebuf::region::{
+    timeline_svg, Region, RegionOptions, RegionStats, Snapshot, SwitchStrategy, Switched,
+};
+use stablebuf::{CostModel, FencePolicy, HostArena, HostStorage, StorageUsed, TransferReport};
 
 use crate::errors::{Failure, Kind};
 use crate::tags::{Reserved, TagTable};
@@ -224,8 +226,9 @@ impl Transfer {
 fn borrowed_stream(ctx: &Arc<CudaContext>, handle: usize) -> Arc<CudaStream> {
     // SAFETY: `handle` is PyTorch's current stream on the regions' device (the Python layer
     // passes `torch.cuda.current_stream().cuda_stream`), so it belongs to this (primary)
-    // context; PyTorch keeps it alive for the duration of the call, and the wrapper is dropped
-    // before the call returns. Every operation that takes it synchronises it before returning.
+    // context; PyTorch keeps it alive for the duration of the call, and the wrapper (which
+    // does not destroy a borrowed stream) is dropped before the call returns. Work a call
+    // leaves enqueued on it (a copy switch's copy) is the stream's like any PyTorch kernel.
     unsafe { ctx.wrap_borrowed_stream(handle as sys::CUstream) }
 }
 
@@ -438,6 +441,59 @@ pub fn bind(tag: &str, weights: &Snapshot, weights_tag: &str) -> Result<Option<S
     Ok(previous)
 }
 
+/// A switch strategy by its Python name: `"auto"`, `"copy"` or `"remap"`.
+pub fn parse_strategy(name: &str) -> Option<SwitchStrategy> {
+    match name {
+        "auto" => Some(SwitchStrategy::Auto),
+        "copy" => Some(SwitchStrategy::Copy),
+        "remap" => Some(SwitchStrategy::Remap),
+        _ => None,
+    }
+}
+
+/// The Python name of the way a switch went: `"copy"` or `"remap"`.
+pub fn way_name(way: Switched) -> &'static str {
+    match way {
+        Switched::Copied => "copy",
+        Switched::Remapped => "remap",
+    }
+}
+
+/// Makes `tag`'s region read `weights` (taken from region `weights_tag`) the way `strategy`
+/// says: by remap (as [`bind`]) or by a copy, enqueued on `stream`, into the region's own live
+/// set. Returns which way it went.
+pub fn switch(
+    tag: &str,
+    weights: &Snapshot,
+    weights_tag: &str,
+    strategy: SwitchStrategy,
+    stream: usize,
+) -> Result<Switched, Failure> {
+    let region = region(tag)?;
+    if weights.region_id() != region.id() {
+        return Err(Failure::new(
+            Kind::SnapshotMismatch,
+            format!(
+                "a weight set of region `{weights_tag}` cannot be switched into region `{tag}`: \
+                 switch to weight sets of the region they were taken from"
+            ),
+        ));
+    }
+    let stream = borrowed_stream(region.context(), stream);
+    region
+        .switch_to(weights, strategy, &stream)
+        .map_err(|e| failure(e, Some(region.context())))
+}
+
+/// The weight-set size above which a remap is cheaper than a copy on `device`, from its cost
+/// model (calibrated once per process: tens of milliseconds, 1 GiB of device memory meanwhile);
+/// `None` if one way always wins.
+pub fn crossover_bytes(device: i32) -> Result<Option<usize>, Failure> {
+    let ctx = context(&mut state(), device)?;
+    let model = CostModel::for_device(&ctx).map_err(|e| failure(e, Some(&ctx)))?;
+    Ok(model.crossover_bytes())
+}
+
 /// The weight set bound under `tag` now, if the region is consolidated.
 pub fn bound(tag: &str) -> Result<Option<Snapshot>, Failure> {
     Ok(region(tag)?.bound())
@@ -519,6 +575,27 @@ mod tests {
         assert!(!tags().contains(&"weights".to_string()));
         assert!(reserve_host(1 << 20, 0).is_err());
         assert_eq!(host_arena(), None);
+    }
+
+    #[test]
+    fn strategies_and_ways_have_their_python_names() {
+        assert_eq!(parse_strategy("auto"), Some(SwitchStrategy::Auto));
+        assert_eq!(parse_strategy("copy"), Some(SwitchStrategy::Copy));
+        assert_eq!(parse_strategy("remap"), Some(SwitchStrategy::Remap));
+        for bad in ["", "Auto", "copy-in", "bind"] {
+            assert_eq!(parse_strategy(bad), None, "{bad}");
+        }
+        assert_eq!(way_name(Switched::Copied), "copy");
+        assert_eq!(way_name(Switched::Remapped), "remap");
+    }
+
+    #[test]
+    fn without_a_driver_the_crossover_says_so() {
+        if stablebuf::driver_present() {
+            return; // a GPU machine: test_gpu.py covers it
+        }
+        let failure = crossover_bytes(0).unwrap_err();
+        assert!(failure.message.contains("CUDA driver"), "{failure}");
     }
 
     #[test]

@@ -8,7 +8,9 @@ graphs captured over them:
   host memory, or discarding them) and bring it back with one mapping; the same tensors and
   graphs work after the wake.
 - :func:`snapshot` / :func:`bind`: keep several weight sets of a region resident and swap them
-  under a captured graph with one remap, no copy and no re-capture.
+  under a captured graph with one remap, no copy and no re-capture; :func:`switch` picks the
+  cheaper of a remap and a copy for the region's size (small models copy: below
+  :func:`crossover_bytes`, about 100 MiB on an H100, a copy is faster than a remap).
 - the replay guard: from the first region on, every PyTorch CUDA graph replay (a plain
   ``torch.cuda.CUDAGraph``, :class:`CUDAGraph`, ``torch.compile(mode="reduce-overhead")``'s
   graphs) made while a region it uses is asleep or unbound raises :class:`Asleep` /
@@ -46,6 +48,7 @@ from ._api import (
     bind,
     bound,
     check,
+    crossover_bytes,
     guard,
     host_arena,
     library_path,
@@ -56,6 +59,7 @@ from ._api import (
     sleep,
     snapshot,
     stats,
+    switch,
     tags,
     timeline,
     unbind,
@@ -106,6 +110,7 @@ __all__ = [
     "bind",
     "bound",
     "check",
+    "crossover_bytes",
     "driver_present",
     "graph_tags",
     "guard",
@@ -121,6 +126,7 @@ __all__ = [
     "sleep",
     "snapshot",
     "stats",
+    "switch",
     "tags",
     "timeline",
     "unbind",

@@ -28,8 +28,8 @@ _EXPANDABLE_WARNED = False
 
 class CaptureActive(Error):
     """A call that unmaps, maps or copies region memory (``sleep``, ``wake``, ``bind``,
-    ``unbind``, ``snapshot``) came while a CUDA graph capture is under way on the current
-    stream; nothing was changed."""
+    ``switch``, ``unbind``, ``snapshot``, ``crossover_bytes``, which may calibrate) came while
+    a CUDA graph capture is under way on the current stream; nothing was changed."""
 
 
 CaptureActive.__module__ = "stablebuf"
@@ -289,8 +289,79 @@ def bind(tag: str, weights: WeightSet) -> Optional[WeightSet]:
         return _native.bind(tag, weights)
 
 
+_STRATEGIES = ("auto", "copy", "remap")
+
+
+def switch(tag: str, weights: WeightSet, *, strategy: str = "auto") -> str:
+    """Make region ``tag`` read the contents of ``weights`` the cheaper way for its size, and
+    return which way it went: ``"copy"`` or ``"remap"``.
+
+    - ``"remap"``: exactly :func:`bind`. ``weights`` is mapped under the region's addresses
+      after the region's fence (the device going idle, by default): about 0.1 ms on an H100
+      whatever the size. Writes to the region's tensors then land in ``weights``.
+    - ``"copy"``: the region's own *live* weight set is put under its addresses (allocated and
+      bound with one remap on the first copy switch, and bound again after a remap switch),
+      then ``weights``' bytes are copied into it on the current stream: no fence, a time
+      proportional to the region's used span (about 0.7 ms per GiB on an H100).
+    - ``"auto"`` (default): copy when the device's cost model predicts a copy of the region's
+      span to be cheaper than a remap (spans below :func:`crossover_bytes`, about 100 MiB on an
+      H100), remap otherwise. Small models then never switch slower than a copy-in, large ones
+      get the remap.
+
+    How a switch that returned ``"copy"`` differs from :func:`bind`:
+
+    - ``weights`` is only read. :func:`bound` returns the region's live set, not ``weights``,
+      and writes to the region's tensors (``load_state_dict``, an optimizer step) land in the
+      live set, never in ``weights``; the next copy switch overwrites them. Use
+      :func:`writing` or ``strategy="remap"`` to write into a weight set.
+    - The copy is ordered on the current stream only, like any PyTorch copy into the
+      parameters: graphs and kernels queued after it on that stream see the new weights; work
+      on another stream that reads the region must wait for the current stream first.
+    - Memory: one more weight set of the region's span, allocated on the first copy switch
+      and kept until the region sleeps or is unbound.
+
+    Switching to the weight set bound now does nothing and returns ``"remap"``. An unbound
+    region can be switched. The first ``"auto"`` switch of a process calibrates the cost model
+    (tens of milliseconds and 1 GiB of device memory meanwhile): call :func:`crossover_bytes`
+    at start-up to pay that early.
+
+    Raises ``ValueError`` for an unknown ``strategy`` (before anything else),
+    :class:`CaptureActive` during a capture on the current stream, ``TypeError`` unless
+    ``weights`` is a :class:`WeightSet`, :class:`SnapshotMismatch` for a weight set of another
+    region or when the region grew past it, :class:`Asleep` while the region sleeps; nothing
+    changes on any of them.
+    """
+    if strategy not in _STRATEGIES:
+        raise ValueError(f"strategy must be one of {_STRATEGIES}, not {strategy!r}")
+    _refuse_during_capture("switch")
+    if not isinstance(weights, WeightSet):
+        raise TypeError(
+            "weights must be a stablebuf.WeightSet (from stablebuf.snapshot or stablebuf.bound), "
+            f"not {type(weights).__name__}"
+        )
+    with _guard.REMAPS:  # never between another thread's check and launch
+        return _native.switch(tag, weights, strategy, _current_stream())
+
+
+def crossover_bytes(device: Optional[int] = None) -> Optional[int]:
+    """The region span, in bytes, below which :func:`switch` with ``strategy="auto"`` copies
+    and above which it remaps, on CUDA device ``device`` (default: the current one); ``None``
+    if one way always wins there.
+
+    It comes from the device's cost model, calibrated on first use in the process (timed
+    remaps and device-to-device copies: tens of milliseconds and 1 GiB of device memory for
+    the duration), then kept. About 100 MiB on an H100. Regions of a process share one device:
+    asking about another device than theirs raises :class:`Error`. Raises
+    :class:`CaptureActive` during a capture on the current stream (calibrating would break it).
+    """
+    _refuse_during_capture("crossover_bytes")
+    return _native.crossover_bytes(_current_device() if device is None else int(device))
+
+
 def bound(tag: str) -> Optional[WeightSet]:
-    """The weight set under region ``tag`` now (``None`` before the first snapshot or wake)."""
+    """The weight set under region ``tag`` now (``None`` before the first snapshot or wake).
+    After a :func:`switch` that copied, it is the region's own live set, which the next copy
+    switch overwrites: take a :func:`snapshot` to keep its contents."""
     return _native.bound(tag)
 
 

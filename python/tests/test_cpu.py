@@ -81,6 +81,36 @@ def test_bind_refuses_what_is_not_a_weight_set():
         stablebuf.bind("weights", "not a weight set")  # type: ignore[arg-type]
 
 
+def test_switch_checks_its_arguments_before_anything_else():
+    before = stablebuf.stats()
+    for strategy in ("fast", "Auto", "copy-in", ""):
+        with pytest.raises(ValueError, match="auto.*copy.*remap"):
+            stablebuf.switch("no-such-tag", None, strategy=strategy)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="WeightSet"):
+        stablebuf.switch("no-such-tag", "not a weight set")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        stablebuf.switch("no-such-tag", None, "copy")  # type: ignore[misc]  # keyword only
+    with pytest.raises(TypeError):
+        _native.switch("no-such-tag", "not a weight set", "auto", 0)  # type: ignore[arg-type]
+    assert stablebuf.stats() == before
+
+
+def test_switch_documents_how_it_differs_from_bind():
+    doc = stablebuf.switch.__doc__ or ""
+    for words in ("bind", "live", "bound", "current stream", "crossover_bytes", "Memory"):
+        assert words in doc, words
+    assert inspect.signature(stablebuf.switch).parameters["strategy"].default == "auto"
+    assert (stablebuf.crossover_bytes.__doc__ or "").strip()
+
+
+@pytest.mark.skipif(stablebuf.driver_present(), reason="this machine has a CUDA driver")
+def test_without_a_driver_the_crossover_says_so():
+    with pytest.raises(stablebuf.Error, match="CUDA driver"):
+        stablebuf.crossover_bytes()
+    with pytest.raises(stablebuf.Error, match="CUDA driver"):
+        stablebuf.crossover_bytes(0)
+
+
 def test_empty_tag_lists_do_nothing():
     assert stablebuf.sleep([]) == {}
     assert stablebuf.wake([]) == {}

@@ -226,6 +226,216 @@ def test_weight_set_swap_under_a_graph_equals_eager_with_that_set(torch):
             torch.testing.assert_close(out, reference(x), rtol=1e-4, atol=1e-4)
 
 
+def _read_set(torch, weights, params):
+    """What ``weights`` holds, read through the region's tensors: :func:`stablebuf.writing`
+    binds it for the block, then binds back what was bound (nothing is written)."""
+    with stablebuf.writing(weights):
+        values = [p.detach().clone() for p in params]
+    torch.cuda.synchronize()
+    return values
+
+
+def _switch_fixture(torch, tag, fence="device"):
+    """A small MLP in region ``tag`` with three weight sets (the bound one and two snapshots
+    holding fresh random values), their states and eager references outside the region."""
+
+    def build():
+        return torch.nn.Sequential(
+            torch.nn.Linear(512, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 512)
+        ).cuda()
+
+    with stablebuf.region(tag, fence=fence):
+        model = build()
+    torch.cuda.synchronize()  # the build's kernels wrote the region unnoted
+    names = [n for n, _ in model.named_parameters()]
+    params = [p for _, p in model.named_parameters()]
+    states = [{n: p.detach().clone() for n, p in zip(names, params)}]
+    states += [
+        {n: torch.randn_like(v) * 0.05 + 0.01 for n, v in states[0].items()} for _ in range(2)
+    ]
+    sets = [stablebuf.snapshot(tag), stablebuf.snapshot(tag)]
+    sets.insert(0, stablebuf.bound(tag))
+    for weights, state in zip(sets[1:], states[1:]):
+        with stablebuf.writing(weights):
+            with torch.no_grad():
+                torch._foreach_copy_(params, [state[n] for n in names])
+    references = []
+    for state in states:
+        reference = build()
+        reference.load_state_dict(state)
+        references.append(reference)
+    torch.cuda.synchronize()
+    stablebuf.note_use([tag])  # the writes were eager
+    return model, names, params, states, sets, references
+
+
+def _assert_sets_unchanged(torch, sets, states, names, params, what):
+    for i, weights in enumerate(sets):
+        for name, got in zip(names, _read_set(torch, weights, params)):
+            assert torch.equal(got, states[i][name]), f"{what}: set {i}, {name} changed"
+
+
+def test_switches_by_copy_and_remap_interleaved_equal_eager_and_keep_the_callers_sets(torch):
+    tag = "switch"
+    model, names, params, states, sets, references = _switch_fixture(torch, tag)
+    x = torch.randn(64, 512, device="cuda")
+    graph = torch.cuda.CUDAGraph()  # a plain PyTorch graph, captured once
+    with torch.no_grad():
+        out = _warm_then_capture(torch, graph, lambda: model(x))
+    span = stablebuf.stats()[tag]["span"]
+    crossover = stablebuf.crossover_bytes()
+    print(f"switch: span {span} bytes, crossover {crossover} bytes")
+    auto_way = None  # unknown where the model says "one way always wins" or near the crossover
+    if crossover is not None and abs(span - crossover) > MiB:
+        auto_way = "copy" if span < crossover else "remap"
+
+    plan = [
+        (1, "copy"),
+        (2, "copy"),  # the live set is bound: one copy
+        (0, "remap"),
+        (2, "copy"),  # after a remap: the live set is bound again
+        (2, "remap"),
+        (2, "copy"),  # set 2 is bound: nothing to do, "remap"
+        (1, "auto"),
+        (0, "copy"),
+        (1, "remap"),
+        (0, "auto"),
+        (0, "copy"),
+    ]
+    bound_set = 0  # the caller's set bound now (None: the region's live set)
+    live = None
+    for step, (k, strategy) in enumerate(plan):
+        what = f"step {step}: set {k}, {strategy}"
+        x.copy_(torch.randn_like(x))
+        way = stablebuf.switch(tag, sets[k], strategy=strategy)
+        if bound_set == k:
+            assert way == "remap", what
+        elif strategy != "auto":
+            assert way == strategy, what
+        elif auto_way is not None:
+            assert way == auto_way, what
+        bound = stablebuf.bound(tag)
+        if way == "remap":
+            assert bound == sets[k], what
+            bound_set = k
+        else:
+            assert way == "copy", what
+            assert bound not in sets, f"{what}: a copy switch bound a caller's set"
+            assert bound.tag == tag and bound.nbytes >= span
+            live = live or bound
+            assert bound == live, f"{what}: one live set, reused"
+            bound_set = None
+        del bound
+        out.fill_(float("nan"))
+        graph.replay()
+        with torch.no_grad():
+            want = references[k](x)
+            eager = model(x)
+        torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4, msg=lambda m: f"{what}: {m}")
+        torch.testing.assert_close(eager, want, rtol=1e-4, atol=1e-4, msg=lambda m: f"{what}: {m}")
+        if way == "copy":
+            _assert_sets_unchanged(torch, sets, states, names, params, what)
+    assert live is not None, "the plan copies"
+
+    # After a copy switch, writes to the region land in the live set, not in the caller's set;
+    # the next copy switch overwrites them.
+    stablebuf.bind(tag, sets[0])
+    assert stablebuf.switch(tag, sets[1], strategy="copy") == "copy"
+    with torch.no_grad():
+        params[0].add_(1.0)
+    assert torch.equal(params[0], states[1][names[0]] + 1.0)
+    _assert_sets_unchanged(torch, sets, states, names, params, "a write after a copy switch")
+    assert torch.equal(params[0], states[1][names[0]] + 1.0), "writing() bound the live set back"
+    assert stablebuf.switch(tag, sets[1], strategy="copy") == "copy"
+    assert torch.equal(params[0], states[1][names[0]])
+    stablebuf.bind(tag, sets[0])
+
+
+def test_a_last_use_region_remaps_only_after_its_copy_switch_ran(torch):
+    # A copy switch does not wait for the device; it is noted as a use of the region, so a
+    # later remap (which unmaps the live set the copy writes) waits for it, and for the work
+    # queued before it on the stream, but a copy switch itself waits for nothing unnoted.
+    tag = "switch_last_use"
+    model, names, params, states, sets, references = _switch_fixture(torch, tag, "last-use")
+    busy = torch.randn(4096, 4096, device="cuda") / 64  # outside the region
+    for _ in range(24):
+        busy = torch.tanh(busy @ busy)
+    assert stablebuf.switch(tag, sets[1], strategy="copy") == "copy"
+    copy_queued = not torch.cuda.current_stream().query()
+    assert stablebuf.switch(tag, sets[2], strategy="remap") == "remap"
+    done_before_the_remap = torch.cuda.current_stream().query()
+    assert copy_queued, "the copy switch waited for unrelated work"
+    assert done_before_the_remap, "the remap did not wait for the copy it unmaps under"
+    x = torch.randn(64, 512, device="cuda")
+    for k, strategy in ((2, "remap"), (1, "copy"), (0, "copy"), (2, "remap"), (0, "copy")):
+        assert stablebuf.switch(tag, sets[k], strategy=strategy) == strategy
+        with torch.no_grad():
+            got = model(x)
+        stablebuf.note_use([tag])  # an eager forward over a "last-use" region
+        torch.testing.assert_close(got, references[k](x), rtol=1e-4, atol=1e-4)
+    _assert_sets_unchanged(torch, sets, states, names, params, "last-use")
+
+
+def test_switch_refusals_are_typed_and_change_nothing(torch):
+    with stablebuf.region("switch_keep"):
+        w = torch.randn(1024, 1024, device="cuda")
+    with stablebuf.region("switch_other"):
+        torch.randn(1 << 18, device="cuda")
+    reference = w.clone()
+    kept = stablebuf.snapshot("switch_keep")
+    bound_before = stablebuf.bound("switch_keep")
+    foreign = stablebuf.snapshot("switch_other")
+
+    def unchanged(what):
+        assert stablebuf.bound("switch_keep") == bound_before, what
+        assert _same_bits(torch, w, reference), what
+
+    for strategy in ("auto", "copy", "remap"):
+        with pytest.raises(stablebuf.SnapshotMismatch, match="switch_other.*switch_keep"):
+            stablebuf.switch("switch_keep", foreign, strategy=strategy)
+        with pytest.raises(stablebuf.UnknownTag, match="nope"):
+            stablebuf.switch("nope", kept, strategy=strategy)
+        unchanged(f"{strategy}: foreign set, unknown tag")
+    with pytest.raises(ValueError, match="strategy"):
+        stablebuf.switch("switch_keep", kept, strategy="bind")
+
+    x = torch.randn(8, 1024, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        x @ w
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = x @ w
+        for strategy in ("auto", "copy", "remap"):
+            with pytest.raises(stablebuf.CaptureActive):
+                stablebuf.switch("switch_keep", kept, strategy=strategy)
+        with pytest.raises(stablebuf.CaptureActive):
+            stablebuf.crossover_bytes()
+    unchanged("during a capture")
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.testing.assert_close(out, x @ w)
+
+    stablebuf.sleep("switch_keep")
+    for strategy in ("auto", "copy", "remap"):
+        with pytest.raises(stablebuf.Asleep):
+            stablebuf.switch("switch_keep", kept, strategy=strategy)
+    assert stablebuf.stats()["switch_keep"]["asleep"]
+    stablebuf.wake("switch_keep")
+    assert _same_bits(torch, w, reference), "asleep: nothing changed"
+    bound_before = stablebuf.bound("switch_keep")  # a wake backs the region anew
+
+    with stablebuf.region("switch_keep"):
+        grown = torch.empty(32 * MiB, dtype=torch.uint8, device="cuda")  # past the set's span
+    for strategy in ("auto", "copy", "remap"):
+        with pytest.raises(stablebuf.SnapshotMismatch):
+            stablebuf.switch("switch_keep", kept, strategy=strategy)
+    assert _same_bits(torch, w, reference), "grown: nothing changed"
+    del grown
+
+
 def test_a_last_use_bind_waits_for_the_noted_replay_and_not_for_later_work(torch):
     # Two regions with the "last-use" fence, a long graph over each, queued back to back.
     # Binding the first region must wait for its replay (noted by the guarded replay), so that

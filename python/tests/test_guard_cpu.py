@@ -249,6 +249,9 @@ class _CapturingTorch(types.ModuleType):
         lambda: stablebuf.bind("no-such-tag", None),
         lambda: stablebuf.unbind("no-such-tag"),
         lambda: stablebuf.snapshot("no-such-tag"),
+        lambda: stablebuf.switch("no-such-tag", None),  # type: ignore[arg-type]
+        lambda: stablebuf.switch("no-such-tag", None, strategy="copy"),  # type: ignore[arg-type]
+        lambda: stablebuf.crossover_bytes(),
     ],
 )
 def test_remaps_during_a_capture_raise_capture_active_before_anything_else(monkeypatch, call):

@@ -2,7 +2,8 @@
 
 Two regions take a random sequence of: tensor allocations by PyTorch inside ``region()``,
 frees, eager writes and reads (only where the model says the memory is there), snapshots,
-binds (also of another region's weight set), unbinds, sleeps with the contents kept or
+binds and switches by copy, remap or auto (also of another region's weight set; a copy switch
+fills the region's own live set, which the model tracks), unbinds, sleeps with the contents kept or
 discarded, wakes, replays of a hand-captured graph and calls of a ``torch.compile``
 (``mode="reduce-overhead"``) function over a region tensor. Before each step the model says
 what must happen: the typed exception (``Asleep``, ``Unbound``, ``SnapshotMismatch``) or
@@ -20,7 +21,7 @@ import os
 import random
 import threading
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import pytest
 
@@ -58,6 +59,9 @@ class RegionModel:
         self.kept = True
         self.unbound = False
         self.held: List[stablebuf.WeightSet] = []
+        # The region's live set (made by a copy switch) as (id, nbytes): no handle is kept, so
+        # that its memory goes when the region drops it (sleep, unbind, outgrown at a snapshot).
+        self.live_set: Optional[Tuple[int, int]] = None
         self.next_id = 0
         with stablebuf.region(tag):
             self.probe = torch.empty(MiB // 4, device="cuda")
@@ -121,9 +125,12 @@ class RegionModel:
         return stats["mappings"] - (0 if stablebuf.bound(self.tag) is None else 1)
 
     def physical(self) -> int:
-        """Device bytes this region holds: what is mapped, plus held weight sets not bound."""
+        """Device bytes this region holds: what is mapped, plus held weight sets and the live
+        set where not bound."""
         bound = stablebuf.bound(self.tag)
         unmapped = sum(w.nbytes for w in self.held if bound is None or w != bound)
+        if self.live_set is not None and (bound is None or bound.id != self.live_set[0]):
+            unmapped += self.live_set[1]
         return stablebuf.stats()[self.tag]["mapped"] + unmapped
 
 
@@ -141,7 +148,8 @@ def step(torch, rng: random.Random, regions: Dict[str, RegionModel], compiled, l
     other = regions[TAGS[1] if model.tag == TAGS[0] else TAGS[0]]
     ops = [
         "alloc", "free", "write", "read", "snapshot", "bind", "bind", "foreign_bind",
-        "unbind", "sleep", "wake", "wake", "replay", "replay", "compiled", "drop_set",
+        "switch", "switch", "foreign_switch", "unbind", "sleep", "wake", "wake", "replay",
+        "replay", "compiled", "drop_set",
     ]
     op = rng.choice(ops)
     log.append(f"{model.tag}: {op}")
@@ -185,6 +193,8 @@ def step(torch, rng: random.Random, regions: Dict[str, RegionModel], compiled, l
             model.follow_bound(carried=True)
             model.contents[weight_set.id] = dict(model.live())
             model.held.append(weight_set)
+            if model.live_set is not None and model.live_set[1] < stablebuf.stats()[tag]["span"]:
+                model.live_set = None  # outgrown: the region let it go
     elif op in ("bind", "foreign_bind"):
         source = model if op == "bind" else other
         if not source.held:
@@ -208,6 +218,45 @@ def step(torch, rng: random.Random, regions: Dict[str, RegionModel], compiled, l
             model.unbound = False
         else:
             assert stablebuf.bound(tag) == before, f"{tag}: a refused bind changed the binding"
+    elif op in ("switch", "foreign_switch"):
+        source = model if op == "switch" else other
+        if not source.held:
+            return
+        weight_set = rng.choice(source.held)
+        strategy = rng.choice(("auto", "copy", "remap"))
+        log[-1] += f" ({strategy})"
+        stats = stablebuf.stats()[tag]
+        before = stablebuf.bound(tag)
+        if source is not model:
+            expected = stablebuf.SnapshotMismatch
+        elif model.asleep:
+            expected = stablebuf.Asleep
+        elif before == weight_set:
+            expected = None
+        elif model.pieces() > 0 or weight_set.nbytes < stats["span"]:
+            expected = stablebuf.SnapshotMismatch
+        else:
+            expected = None
+        way = run(expected, lambda: stablebuf.switch(tag, weight_set, strategy=strategy))
+        if expected is not None:
+            assert stablebuf.bound(tag) == before, f"{tag}: a refused switch changed the binding"
+            return
+        if before == weight_set or strategy == "remap":
+            assert way == "remap", f"{tag}: {strategy} switch went by {way}"
+        elif strategy == "copy":
+            assert way == "copy", f"{tag}: copy switch went by {way}"
+        bound = stablebuf.bound(tag)
+        if way == "remap":
+            assert bound == weight_set, f"{tag}: a remap switch did not bind the set"
+            model.key = weight_set.id
+        else:
+            assert way == "copy", way
+            assert bound not in model.held, f"{tag}: a copy switch bound a caller's set"
+            model.contents[bound.id] = dict(model.contents[weight_set.id])
+            model.key = bound.id
+            model.live_set = (bound.id, bound.nbytes)
+        del bound  # no handle to the live set may outlive the step
+        model.unbound = False
     elif op == "unbind":
         if model.asleep:
             expected = stablebuf.Asleep
@@ -218,6 +267,7 @@ def step(torch, rng: random.Random, regions: Dict[str, RegionModel], compiled, l
         run(expected, lambda: stablebuf.unbind(tag))
         if expected is None:
             model.unbound = True
+            model.live_set = None
     elif op == "sleep":
         keep = rng.random() < 0.6
         if model.asleep:
@@ -230,6 +280,7 @@ def step(torch, rng: random.Random, regions: Dict[str, RegionModel], compiled, l
         run(expected, lambda: stablebuf.sleep(tag, keep=keep))
         if expected is None and not was_asleep:
             model.asleep, model.kept = True, keep
+            model.live_set = None
         assert stablebuf.stats()[tag]["asleep"] == model.asleep
     elif op == "wake":
         was_asleep = model.asleep

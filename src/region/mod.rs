@@ -23,6 +23,10 @@
 //! - [`Region::snapshot`] makes a second backing of the span with the current contents (a
 //!   weight set), and [`Region::bind`] swaps backings under the same addresses with one unmap,
 //!   one map and one set-access: a graph captured once replays on another weight set.
+//! - [`Region::switch_to`] makes the region read a weight set the cheaper way for its size:
+//!   below the device's crossover (about 100 MiB on an H100) it copies the set into the
+//!   region's own *live* set instead of remapping ([`SwitchStrategy`]); [`Region::load`] is the
+//!   bare copy over whatever set is bound.
 //! - [`Region::check_replayable`] is the replay guard: `Err(RegionAsleep)` or `Err(Unbound)`
 //!   instead of an illegal-address fault.
 //!
@@ -32,6 +36,7 @@
 mod book;
 mod snapshot;
 mod state;
+mod switch;
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -45,9 +50,11 @@ use crate::fence::{Fence, FencePolicy};
 use crate::host::{HostStorage, TransferReport};
 use crate::ids::next_id;
 use crate::pool::Event;
+use crate::strategy::CostModel;
 
 pub use snapshot::Snapshot;
 use state::{Fixed, RegionState};
+pub use switch::{SwitchStrategy, Switched};
 
 /// Options for [`Region::new`].
 #[derive(Clone, Debug)]
@@ -319,7 +326,9 @@ impl Region {
     }
 
     /// The snapshot under the span now, if the region is consolidated (after a snapshot or a
-    /// wake): keep it to swap back to these contents later.
+    /// wake): keep it to swap back to these contents later. After a copy
+    /// [switch](Region::switch_to) it is the region's own live set, which the next copy switch
+    /// overwrites: take a [snapshot](Region::snapshot) to keep those contents.
     pub fn bound(&self) -> Option<Snapshot> {
         self.lock().bound()
     }
@@ -330,6 +339,96 @@ impl Region {
     /// one shorter than the region's span.
     pub fn bind(&self, snapshot: &Snapshot) -> Result<()> {
         self.lock().bind(&self.inner.fixed, snapshot)
+    }
+
+    /// Copies `snapshot`'s contents (the region's used span) over the weight set bound now,
+    /// enqueued on `stream` (one device-to-device copy from the snapshot's
+    /// [home address](Snapshot::home_ptr), mapped on first use), so that the region's addresses
+    /// read them without a remap. No fence: like any write to the region it is ordered on
+    /// `stream` only, so order work of other streams that reads the region yourself. A later
+    /// bind, sleep or free waits for it: the default fence waits for the whole device, and the
+    /// copy is noted as a use ([`Region::note_use`]) for [`FencePolicy::LastUse`]; with
+    /// [`FencePolicy::AttachedStreams`], [attach](Region::attach) `stream` as for any work on
+    /// the region.
+    ///
+    /// It **overwrites the bound weight set**: if that is a set you hold, its old contents are
+    /// gone. [`Region::switch_to`] never does that to your sets.
+    ///
+    /// Refused, with nothing changed:
+    /// [`SnapshotMismatch`](crate::Error::SnapshotMismatch) for a snapshot of another region,
+    /// one shorter than the span, or allocations past the bound set;
+    /// [`RegionAsleep`](crate::Error::RegionAsleep); [`Unbound`](crate::Error::Unbound);
+    /// [`BindDuringCapture`](crate::Error::BindDuringCapture) while `stream` (or an attached
+    /// stream, or this thread) is capturing. Loading the bound snapshot is a no-op.
+    pub fn load(&self, snapshot: &Snapshot, stream: &Arc<CudaStream>) -> Result<()> {
+        self.lock().load(&self.inner.fixed, snapshot, stream)
+    }
+
+    /// Makes the region read `snapshot`'s contents the way `strategy` says, and returns which
+    /// way it went:
+    ///
+    /// - [`Switched::Remapped`]: as [`Region::bind`] (fence, one remap); `snapshot` is bound,
+    ///   and writes to the region land in it.
+    /// - [`Switched::Copied`]: the region's own *live* weight set is bound (made, and bound
+    ///   with one remap, on the first copy switch and after a remap switch), and `snapshot`'s
+    ///   bytes are copied into it on `stream`, as [`Region::load`] does (no fence; stream
+    ///   order). `snapshot` is only read: writes to the region land in the live set, which
+    ///   [`Region::bound`] returns and the next copy switch overwrites. The live set costs one
+    ///   more allocation of the span's size, made on the first copy switch and kept until the
+    ///   region sleeps or is unbound.
+    ///
+    /// [`SwitchStrategy::Auto`] copies when the calibrated [`CostModel::for_device`] predicts a
+    /// copy of the span to be cheaper than a remap (the first call on a device calibrates it:
+    /// tens of milliseconds and 1 GiB of device memory for the duration). Switching to the
+    /// bound snapshot is a no-op ([`Switched::Remapped`]). An unbound region can be switched.
+    ///
+    /// Refused, with nothing changed: [`SnapshotMismatch`](crate::Error::SnapshotMismatch)
+    /// (another region's snapshot, one shorter than the span, allocations past the bound set),
+    /// [`RegionAsleep`](crate::Error::RegionAsleep),
+    /// [`BindDuringCapture`](crate::Error::BindDuringCapture) while `stream` (or an attached
+    /// stream, or this thread) is capturing, whatever the strategy.
+    ///
+    /// ```no_run
+    /// use stablebuf::region::{Region, RegionOptions, SwitchStrategy};
+    ///
+    /// # fn main() -> stablebuf::Result<()> {
+    /// let ctx = stablebuf::open_device(0)?;
+    /// let stream = ctx.new_stream()?;
+    /// let region = Region::new(&ctx, "weights", RegionOptions::default())?;
+    /// let w = region.alloc(8 << 20)?;
+    /// region.write(&stream, w, &vec![1.0f32; 2 << 20])?;
+    /// let set_a = region.snapshot(&stream)?; // holds 1.0
+    /// let set_b = region.snapshot(&stream)?;
+    /// region.bind(&set_b)?;
+    /// region.write(&stream, w, &vec![2.0f32; 2 << 20])?; // set B holds 2.0
+    ///
+    /// // 8 MiB, far below an H100's crossover: Auto copies set A into the region's live set.
+    /// let way = region.switch_to(&set_a, SwitchStrategy::Auto, &stream)?;
+    /// println!("{way:?}"); // Switched::Copied there
+    /// // ... replay graphs over the region on `stream`: they read 1.0; sets A and B are unchanged.
+    /// region.switch_to(&set_b, SwitchStrategy::Remap, &stream)?; // set B mapped under it again
+    /// # Ok(()) }
+    /// ```
+    pub fn switch_to(
+        &self,
+        snapshot: &Snapshot,
+        strategy: SwitchStrategy,
+        stream: &Arc<CudaStream>,
+    ) -> Result<Switched> {
+        // First, as calibrating (which synchronizes and allocates) must not run in a capture.
+        self.lock().check_not_capturing(stream)?;
+        let model = match strategy {
+            // Calibrated outside the region's lock: it takes tens of milliseconds, once.
+            SwitchStrategy::Auto => Some(CostModel::for_device(self.context())?),
+            SwitchStrategy::Remap | SwitchStrategy::Copy => None,
+        };
+        self.lock().switch_to(
+            &self.inner.fixed,
+            snapshot,
+            strategy,
+            model.as_ref(),
+            stream,
+        )
     }
 
     /// Unmaps the span (after the fence) and lets go of its snapshot (keep [`Region::bound`]

@@ -11,6 +11,7 @@ use cudarc::driver::{CudaContext, CudaStream};
 
 use super::book::RegionBook;
 use super::snapshot::Snapshot;
+use super::switch::{SwitchStrategy, Switched};
 use super::RegionStats;
 use crate::driver;
 use crate::driver::vmm::{Mapping, Physical, Reservation};
@@ -19,6 +20,7 @@ use crate::fence::Fence;
 use crate::host::{self, HostCopy, HostStorage, Piece, StorageUsed, TransferReport};
 use crate::ids::next_id;
 use crate::pool::{BlockId, ChunkId, Event, EventKind, EventLog, TenantId};
+use crate::strategy::CostModel;
 
 /// What the consolidated span is backed by while awake and bound.
 #[derive(Debug)]
@@ -54,6 +56,10 @@ pub(super) struct RegionState {
     span: Option<SpanBinding>,
     /// Set by `unbind`: the span is deliberately unmapped.
     unbound: bool,
+    /// The region's own weight set for copy switches: made and bound on the first one, copied
+    /// into by each; never a set a caller made. Dropped on sleep, unbind, and a snapshot after
+    /// the region outgrew it, so it holds memory only while copy switches may use it.
+    live: Option<Snapshot>,
     sleeping: Option<Sleeping>,
     pub(super) fence: Fence,
     events: EventLog,
@@ -73,6 +79,7 @@ impl RegionState {
             pieces: BTreeMap::new(),
             span: None,
             unbound: false,
+            live: None,
             sleeping: None,
             fence,
             events: EventLog::new(1 << 14),
@@ -273,6 +280,7 @@ impl RegionState {
             self.log_map(fixed, offset, bytes, false);
         }
         self.book.set_consolidated(0);
+        self.live = None; // its bytes, if it was bound, are in the host copy
         self.sleeping = Some(Sleeping { copy, runs });
         Ok(report(fixed, host_offset, start, used))
     }
@@ -435,6 +443,9 @@ impl RegionState {
         // The span is one mapping now: one copy.
         driver::copy_device(stream, fixed.reservation.base(), home, span_end)?;
         driver::synchronize_stream(stream)?;
+        if self.live.as_ref().is_some_and(|l| l.bytes() < span_end) {
+            self.live = None; // too short for the span now: the next copy switch makes one
+        }
         Ok(snapshot)
     }
 
@@ -547,6 +558,144 @@ impl RegionState {
         }
     }
 
+    /// Copies `snapshot`'s bytes over the weight set bound now, on `stream`. All checks come
+    /// before the copy; loading the bound set is a no-op.
+    pub fn load(
+        &mut self,
+        fixed: &Fixed,
+        snapshot: &Snapshot,
+        stream: &Arc<CudaStream>,
+    ) -> Result<()> {
+        if snapshot.region_id() != fixed.id {
+            return Err(Error::SnapshotMismatch {
+                tag: fixed.tag.clone(),
+                reason: "the snapshot was taken from another region".into(),
+            });
+        }
+        self.check_replayable(fixed)?;
+        self.require_bindable(fixed, snapshot)?;
+        if self.is_bound(snapshot) {
+            return Ok(());
+        }
+        check_not_capturing(&self.fence, stream)?;
+        self.copy_from(fixed, snapshot, stream)
+    }
+
+    /// `Err(BindDuringCapture)` while a capture is under way on this thread, on an attached
+    /// stream or on `stream`.
+    pub fn check_not_capturing(&self, stream: &CudaStream) -> Result<()> {
+        check_not_capturing(&self.fence, stream)
+    }
+
+    /// Makes the region read `snapshot`'s contents, by remap or by copy into the live set
+    /// (see [`Region::switch_to`](super::Region::switch_to)). The caller checked that no
+    /// capture is under way.
+    pub fn switch_to(
+        &mut self,
+        fixed: &Fixed,
+        snapshot: &Snapshot,
+        strategy: SwitchStrategy,
+        model: Option<&CostModel>,
+        stream: &Arc<CudaStream>,
+    ) -> Result<Switched> {
+        if snapshot.region_id() != fixed.id {
+            return Err(Error::SnapshotMismatch {
+                tag: fixed.tag.clone(),
+                reason: "the snapshot was taken from another region".into(),
+            });
+        }
+        if self.sleeping.is_some() {
+            return Err(Error::RegionAsleep {
+                tag: fixed.tag.clone(),
+            });
+        }
+        if self.is_bound(snapshot) {
+            return Ok(Switched::Remapped);
+        }
+        self.require_bindable(fixed, snapshot)?;
+        let way = strategy.resolve(self.book.span_end(), model);
+        match way {
+            Switched::Remapped => self.bind(fixed, snapshot)?,
+            Switched::Copied => self.copy_switch(fixed, snapshot, stream)?,
+        }
+        tracing::debug!(region = %fixed.tag, snapshot = snapshot.id(), ?strategy, ?way, "switched");
+        Ok(way)
+    }
+
+    /// Binds the live set (making it first if there is none that covers the span), then copies
+    /// `snapshot` into it. All or nothing: if the copy cannot be enqueued, what was bound
+    /// before is bound again.
+    fn copy_switch(
+        &mut self,
+        fixed: &Fixed,
+        snapshot: &Snapshot,
+        stream: &Arc<CudaStream>,
+    ) -> Result<()> {
+        if self.live.as_ref().is_some_and(|live| self.is_bound(live)) {
+            return self.copy_from(fixed, snapshot, stream);
+        }
+        let span_end = self.book.span_end();
+        let live = match &self.live {
+            Some(live) if live.bytes() >= span_end => live.clone(),
+            _ => {
+                let physical = Arc::new(Physical::new(&fixed.ctx, span_end, false)?);
+                Snapshot::new(next_id(), fixed.id, &fixed.ctx, physical, &fixed.access)
+            }
+        };
+        let copy_needed = !snapshot.same_as(&live);
+        if copy_needed {
+            // Map the source before anything changes: the region stays as it is if that fails.
+            snapshot.home_ptr()?;
+        }
+        let previous = self.bound();
+        self.bind(fixed, &live)?;
+        if copy_needed {
+            if let Err(error) = self.copy_from(fixed, snapshot, stream) {
+                let undo = match &previous {
+                    Some(previous) => self.bind(fixed, previous),
+                    None => self.unbind(fixed),
+                };
+                if let Err(undo) = undo {
+                    tracing::error!(%undo, region = %fixed.tag, "could not bind the previous weight set back");
+                }
+                return Err(error);
+            }
+        }
+        self.live = Some(live);
+        Ok(())
+    }
+
+    /// Enqueues the copy of `snapshot`'s first span bytes over the region's addresses and
+    /// notes it as a use of the region (a later unmap waits for it). The span is one mapping:
+    /// the caller checked that nothing lies past the bound set.
+    fn copy_from(
+        &mut self,
+        fixed: &Fixed,
+        snapshot: &Snapshot,
+        stream: &Arc<CudaStream>,
+    ) -> Result<()> {
+        let bytes = self.book.span_end();
+        if bytes == 0 {
+            return Ok(());
+        }
+        let source = snapshot.home_ptr()?;
+        driver::copy_device(stream, source, fixed.reservation.base(), bytes)?;
+        if let Err(error) = self.fence.note_use(stream.cu_stream() as usize as u64) {
+            // The fence cannot cover the copy: wait for it here, so no unmap runs under it.
+            if let Err(wait) = driver::synchronize_stream(stream) {
+                tracing::error!(%wait, region = %fixed.tag, "waiting for a weight-set copy failed");
+            }
+            return Err(error);
+        }
+        Ok(())
+    }
+
+    fn is_bound(&self, snapshot: &Snapshot) -> bool {
+        self.span
+            .as_ref()
+            .is_some_and(|s| s.snapshot.same_as(snapshot))
+    }
+
     pub fn unbind(&mut self, fixed: &Fixed) -> Result<()> {
         if self.sleeping.is_some() {
             return Err(Error::RegionAsleep {
@@ -570,6 +719,7 @@ impl RegionState {
             self.log_map(fixed, 0, bytes, false);
         }
         self.unbound = true;
+        self.live = None; // a handle kept with `bound` keeps its memory, as a caller's set
         Ok(())
     }
 
@@ -607,6 +757,16 @@ impl RegionState {
         self.span = None;
         self.pieces.clear();
     }
+}
+
+/// `Err(BindDuringCapture)` if a capture is under way on this thread, on an attached stream or
+/// on `stream`: a copy enqueued now would be recorded into the graph being captured.
+fn check_not_capturing(fence: &Fence, stream: &CudaStream) -> Result<()> {
+    fence.check_not_capturing()?;
+    if driver::is_capturing(stream)? {
+        return Err(Error::BindDuringCapture);
+    }
+    Ok(())
 }
 
 /// `span_end` rounded up to the granularity of exportable memory, which must be a multiple of
