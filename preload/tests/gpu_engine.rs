@@ -106,7 +106,11 @@ fn untagged_memory_and_copy_elision_on_a_gpu() {
         1,
         "grafted, not copied"
     );
-    assert_eq!(read(&engine, &ctx, b, bytes / 4), data, "b starts with a's bytes");
+    assert_eq!(
+        read(&engine, &ctx, b, bytes / 4),
+        data,
+        "b starts with a's bytes"
+    );
     let tail = pattern(bytes / 4, 9);
     write(&engine, &ctx, b + bytes as u64, &tail);
     assert_eq!(
