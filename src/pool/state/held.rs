@@ -15,7 +15,7 @@
 //!                         the held 3 GiB go back to the cache
 //! ```
 
-use super::{Segment, State};
+use super::State;
 use crate::error::{Error, Result};
 use crate::pool::backend::{Backend, MappedRange, Waiter};
 use crate::pool::book::{ChunkId, TenantId};
@@ -126,9 +126,13 @@ impl<B: Backend> State<B> {
             .collect();
         drop(donor_segments); // unmaps, after the fence
         let tail_ids: Vec<ChunkId> = tail.iter().map(|&(id, _)| id).collect();
-        let mapped: Result<(Vec<Segment<B>>, Vec<Segment<B>>)> = self
+        // On an error the runs mapped so far drop, which unmaps them.
+        let mapped = self
             .map_run(tenant, target, 0, &donor_chunks)
-            .and_then(|front| Ok((front, self.map_run(tenant, target, moved, &tail_ids)?)));
+            .and_then(|front| {
+                let back = self.map_run(tenant, target, moved, &tail_ids)?;
+                Ok((front, back))
+            });
         let (front, back) = match mapped {
             Ok(made) => made,
             Err(error) => {
