@@ -278,9 +278,7 @@ impl<D: Device> Engine<D> {
             FreeDecision::Plain
         };
         self.pending.store(state.elider.pending(), Ordering::SeqCst);
-        if state.held.remove(&address) {
-            self.held.store(state.held.len(), Ordering::SeqCst);
-        }
+        self.forget_held(&mut state, address);
         let entry = state.table.remove(address).expect("looked up above");
         Counters::bump(&self.counters.frees);
         match (entry.payload, decision) {
@@ -317,6 +315,8 @@ impl<D: Device> Engine<D> {
         copy: &PendingCopy,
     ) -> Result<(), Fail> {
         let device = self.device(ordinal)?;
+        // Mapped by the graft if held (in front the source's memory, behind the rest).
+        self.forget_held(state, copy.dst);
         let Some(entry) = state.table.get_mut(copy.dst) else {
             // The target is gone (cannot happen: its free cancels the copy); nothing to keep.
             return device.free(source);
@@ -324,10 +324,6 @@ impl<D: Device> Engine<D> {
         let Owner::Pool { block: target, .. } = &mut entry.payload else {
             return device.free(source);
         };
-        // Mapped by the graft if held (in front the source's memory, behind the rest).
-        if state.held.remove(&copy.dst) {
-            self.held.store(state.held.len(), Ordering::SeqCst);
-        }
         match device.graft(target, source) {
             Ok(()) => {
                 Counters::bump(&self.counters.copies_elided);
@@ -381,6 +377,13 @@ impl<D: Device> Engine<D> {
         }
         let mut state = lock(&self.state);
         self.flush_locked(&mut state)
+    }
+
+    /// `address` is no longer held (freed, or mapped by a graft).
+    fn forget_held(&self, state: &mut State<D::Block>, address: u64) {
+        if state.held.remove(&address) {
+            self.held.store(state.held.len(), Ordering::SeqCst);
+        }
     }
 
     /// Maps every held allocation. The count is cleared only once all are mapped, for the

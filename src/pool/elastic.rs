@@ -8,7 +8,7 @@ use super::ahead::Ahead;
 use super::backend::Vmm;
 use super::block::Block;
 use super::book::TenantId;
-use super::events::Event;
+use super::events::{BlockId, Event};
 use super::state::{State, Switches};
 use super::stats::{PoolStats, TenantStats};
 use crate::driver::vmm::granularity;
@@ -295,17 +295,7 @@ impl Tenant {
     /// A block of `len` bytes that reserves `max_len` bytes of addresses, so it can grow to
     /// `max_len` in place: [`Block::grow`] maps more memory behind it and never copies.
     pub fn alloc_growable(&self, len: usize, max_len: usize) -> Result<Block> {
-        let mut state = self.shared.lock();
-        let (id, address, capacity) = state.alloc(self.id, len, max_len)?;
-        self.shared.after_request(state);
-        Ok(Block::new(
-            self.shared.clone(),
-            self.id,
-            self.name.clone(),
-            id,
-            address,
-            capacity,
-        ))
+        self.carve(|state, tenant| state.alloc(tenant, len, max_len))
     }
 
     /// A block of `bytes` whose memory is acquired now (a refusal is reported here, as by
@@ -315,8 +305,16 @@ impl Tenant {
     /// destination (the preload layer's copy elision): the map, set-access and unmap of the
     /// part the graft replaces are never paid.
     pub fn alloc_held(&self, bytes: usize) -> Result<Block> {
+        self.carve(|state, tenant| state.alloc_held(tenant, bytes))
+    }
+
+    /// Runs one of the state's block allocations under the lock and wraps what it carved.
+    fn carve(
+        &self,
+        alloc: impl FnOnce(&mut State<Vmm>, TenantId) -> Result<(BlockId, u64, usize)>,
+    ) -> Result<Block> {
         let mut state = self.shared.lock();
-        let (id, address, capacity) = state.alloc_held(self.id, bytes)?;
+        let (id, address, capacity) = alloc(&mut state, self.id)?;
         self.shared.after_request(state);
         Ok(Block::new(
             self.shared.clone(),

@@ -125,22 +125,9 @@ impl<B: Backend> State<B> {
             .map(|s| (s.chunk, s.mapping.ptr(), s.mapping.bytes()))
             .collect();
         drop(donor_segments); // unmaps, after the fence
-        let tail_ids: Vec<ChunkId> = tail.iter().map(|&(id, _)| id).collect();
-        // On an error the runs mapped so far drop, which unmaps them.
-        let mapped = self
-            .map_run(tenant, target, 0, &donor_chunks)
-            .and_then(|front| {
-                let back = self.map_run(tenant, target, moved, &tail_ids)?;
-                Ok((front, back))
-            });
-        let (front, back) = match mapped {
-            Ok(made) => made,
-            Err(error) => {
-                self.give_back_all(&tail);
-                self.undo_graft(tenant, target, donor, &[], &donor_chunks);
-                return Err(self.refuse(tenant, error));
-            }
-        };
+                              // On an error the target still holds its memory: nothing of it was removed.
+        let (front, back) =
+            self.map_graft(tenant, [target, donor], &donor_chunks, moved, &tail, &[])?;
         for (chunk, at, bytes) in unmapped {
             self.log_unmap(tenant, donor, chunk, at, bytes);
         }

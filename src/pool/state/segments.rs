@@ -2,6 +2,9 @@
 //! from one block to another (grafting).
 
 use super::{Segment, State};
+
+/// The segments a graft maps: the donor's in front, the rest behind.
+pub(super) type GraftRuns<B> = (Vec<Segment<B>>, Vec<Segment<B>>);
 use crate::error::{Error, Result};
 use crate::pool::backend::{Backend, MappedRange, Waiter};
 use crate::pool::book::{ChunkId, TenantId};
@@ -211,21 +214,14 @@ impl<B: Backend> State<B> {
             .collect();
         drop(donor_segments); // unmaps, after the fence
         drop(removed);
-        let filler_ids: Vec<ChunkId> = filler.iter().map(|&(id, _)| id).collect();
-        let mapped = self
-            .map_run(tenant, target, 0, &donor_chunks)
-            .and_then(|front| {
-                let back = self.map_run(tenant, target, moved, &filler_ids)?;
-                Ok((front, back))
-            });
-        let (front, back) = match mapped {
-            Ok(made) => made,
-            Err(error) => {
-                self.give_back_all(&filler);
-                self.undo_graft(tenant, target, donor, &removed_chunks, &donor_chunks);
-                return Err(self.refuse(tenant, error));
-            }
-        };
+        let (front, back) = self.map_graft(
+            tenant,
+            [target, donor],
+            &donor_chunks,
+            moved,
+            &filler,
+            &removed_chunks,
+        )?;
         for (block, chunk, at, bytes) in unmapped {
             self.log_unmap(tenant, block, chunk, at, bytes);
         }
@@ -239,6 +235,33 @@ impl<B: Backend> State<B> {
         });
         // The donor is empty now: free its addresses.
         self.free(tenant, donor)
+    }
+
+    /// The mapping step of a graft, once the donor's and the target's replaced segments are
+    /// unmapped: `donor_chunks` at the target's start, `back` from `moved` on. On an error the
+    /// runs mapped so far drop (which unmaps them), `back` goes to the cache, the target's
+    /// `removed` chunks and the donor's go back where they were, and the refusal is returned.
+    pub(super) fn map_graft(
+        &mut self,
+        tenant: TenantId,
+        [target, donor]: [BlockId; 2],
+        donor_chunks: &[ChunkId],
+        moved: usize,
+        back: &[(ChunkId, bool)],
+        removed: &[(ChunkId, usize)],
+    ) -> Result<GraftRuns<B>> {
+        let back_ids: Vec<ChunkId> = back.iter().map(|&(id, _)| id).collect();
+        let mapped = self
+            .map_run(tenant, target, 0, donor_chunks)
+            .and_then(|front| {
+                let behind = self.map_run(tenant, target, moved, &back_ids)?;
+                Ok((front, behind))
+            });
+        mapped.map_err(|error| {
+            self.give_back_all(back);
+            self.undo_graft(tenant, target, donor, removed, donor_chunks);
+            self.refuse(tenant, error)
+        })
     }
 
     /// Maps the pieces of an interrupted graft back where they were. Best effort: what cannot
