@@ -11,7 +11,8 @@
 # Python: $PYTHON if set, else python3; it must import torch. pytest runs the whole
 # python/tests folder: test_cpu.py, test_gpu.py, test_compiled.py (torch.compile, a plain
 # torch.cuda.CUDAGraph and a transformers Llama under the replay guard; the Llama test skips
-# without transformers) and test_guard_cpu.py.
+# without transformers), test_guard_cpu.py, test_publish.py, test_random.py and
+# test_two_gpus.py (regions on two GPUs; skips, with the reason, on one GPU).
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(dirname "$here")"

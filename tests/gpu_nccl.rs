@@ -273,7 +273,12 @@ fn an_all_reduce_in_a_graph_stays_right_across_rebinds_and_sleep_with_every_regi
                 .expect("run a child case");
             let stdout = String::from_utf8_lossy(&output.stdout);
             let stderr = String::from_utf8_lossy(&output.stderr);
-            let lines: Vec<&str> = stdout.lines().filter(|l| l.starts_with("CASE ")).collect();
+            // The marker is looked for anywhere in a line: libtest prints `test … ... ` with no
+            // newline before the child's own output, so rank 0's line may share it.
+            let lines: Vec<&str> = stdout
+                .lines()
+                .filter_map(|l| l.find("CASE ").map(|at| &l[at..]))
+                .collect();
             for line in &lines {
                 println!("{line}");
             }

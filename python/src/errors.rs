@@ -23,11 +23,13 @@ pub enum Kind {
     UnknownTag,
     /// `stablebuf.SnapshotMismatch`: the weight set cannot be bound into this region.
     SnapshotMismatch,
+    /// `stablebuf.DeviceMismatch`: the region lives on another CUDA device than the one asked.
+    DeviceMismatch,
 }
 
 impl Kind {
     /// Every kind, in the order the exception classes are created.
-    pub const ALL: [Kind; 7] = [
+    pub const ALL: [Kind; 8] = [
         Kind::Error,
         Kind::OutOfMemory,
         Kind::OverBudget,
@@ -35,6 +37,7 @@ impl Kind {
         Kind::Unbound,
         Kind::UnknownTag,
         Kind::SnapshotMismatch,
+        Kind::DeviceMismatch,
     ];
 
     /// The exception's class name in the `stablebuf` module.
@@ -47,6 +50,7 @@ impl Kind {
             Kind::Unbound => "Unbound",
             Kind::UnknownTag => "UnknownTag",
             Kind::SnapshotMismatch => "SnapshotMismatch",
+            Kind::DeviceMismatch => "DeviceMismatch",
         }
     }
 }
@@ -74,6 +78,18 @@ impl Failure {
             format!("known tags: {}", known.join(", "))
         };
         Self::new(Kind::UnknownTag, format!("unknown tag `{tag}` ({known})"))
+    }
+
+    /// Region `tag` lives on device `home` and was asked for on device `asked`: a tag names one
+    /// region on one device.
+    pub fn device_mismatch(tag: &str, home: i32, asked: i32) -> Self {
+        Self::new(
+            Kind::DeviceMismatch,
+            format!(
+                "region `{tag}` lives on device {home}, not on device {asked}: a tag names one \
+                 region on one device, use another tag for a region on device {asked}"
+            ),
+        )
     }
 
     /// Maps a core error. `free` is the device's free memory when the error happened, if it
@@ -290,6 +306,15 @@ mod tests {
         assert!(failure.message.contains("weights, kv"));
         let none = Failure::unknown_tag("x", &[]);
         assert!(none.message.contains("stablebuf.region"), "{none}");
+    }
+
+    #[test]
+    fn a_device_mismatch_names_the_tag_and_both_devices() {
+        let failure = Failure::device_mismatch("weights", 0, 1);
+        assert_eq!(failure.kind, Kind::DeviceMismatch);
+        for needle in ["`weights`", "device 0", "device 1"] {
+            assert!(failure.message.contains(needle), "{needle} in {failure}");
+        }
     }
 
     #[test]

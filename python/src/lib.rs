@@ -8,10 +8,12 @@
 //! PyTorch glue (pools, the `region()` context manager, the guarded `CUDAGraph`).
 //!
 //! Layers: [`errors`], [`tags`] and [`stats`] are pure logic (tested by `cargo test` without a
-//! GPU); [`regions`] is the only module that calls the core crate's region API; [`abi`] is the
-//! C boundary; this file is the Python boundary.
+//! GPU); [`regions`] is the only module that calls the core crate's region API; [`context`]
+//! keeps the caller's CUDA context current across those calls (regions may live on several
+//! devices); [`abi`] is the C boundary; this file is the Python boundary.
 
 pub mod abi;
+pub mod context;
 pub mod dlpack;
 pub mod errors;
 pub mod publish;
@@ -24,8 +26,9 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use stablebuf::region::Snapshot;
 
+use crate::context::ContextNeutral;
 use crate::errors::{Failure, Kind};
-use crate::regions::Transfer;
+use crate::regions::{Streams, Transfer};
 use crate::stats::{TagStats, Value};
 
 pyo3::create_exception!(
@@ -70,6 +73,12 @@ pyo3::create_exception!(
     Error,
     "The weight set cannot be bound into this region (taken from another region, or the region grew past it)."
 );
+pyo3::create_exception!(
+    stablebuf,
+    DeviceMismatch,
+    Error,
+    "The region lives on another CUDA device: a tag names one region on one device (names both)."
+);
 
 impl From<Failure> for PyErr {
     fn from(failure: Failure) -> PyErr {
@@ -82,6 +91,7 @@ impl From<Failure> for PyErr {
             Kind::Unbound => Unbound::new_err(message),
             Kind::UnknownTag => UnknownTag::new_err(message),
             Kind::SnapshotMismatch => SnapshotMismatch::new_err(message),
+            Kind::DeviceMismatch => DeviceMismatch::new_err(message),
         }
     }
 }
@@ -94,7 +104,8 @@ impl From<Failure> for PyErr {
 #[pyclass(module = "stablebuf", name = "WeightSet", frozen)]
 pub struct WeightSet {
     tag: String,
-    snapshot: Snapshot,
+    /// Dropped wherever Python lets go of it: its release must not move the current device.
+    snapshot: ContextNeutral<Snapshot>,
 }
 
 #[pymethods]
@@ -140,7 +151,7 @@ impl WeightSet {
 fn weight_set(tag: &str, snapshot: Snapshot) -> WeightSet {
     WeightSet {
         tag: tag.to_string(),
-        snapshot,
+        snapshot: ContextNeutral::new(snapshot),
     }
 }
 
@@ -162,9 +173,10 @@ fn transfers<'py>(py: Python<'py>, done: Vec<Transfer>) -> PyResult<Bound<'py, P
     Ok(out)
 }
 
-/// Registers `tag` on CUDA device `device`, creating its region (`capacity` bytes of virtual
-/// addresses, 1 TiB by default: reserving costs no memory), and returns its allocator slot.
-/// Registering an existing tag returns its slot.
+/// Registers `tag` on CUDA device `device`, creating its region there (`capacity` bytes of
+/// virtual addresses, 1 TiB by default: reserving costs no memory), and returns its allocator
+/// slot. Registering an existing tag returns its slot; from another device than the tag's it
+/// raises `DeviceMismatch` (a tag names one region on one device).
 /// With `last_use`, binds, sleeps and frees of the new region wait only for the uses noted
 /// with `note_use` (see `regions::register`).
 #[pyfunction]
@@ -179,11 +191,18 @@ fn register(
     Ok(py.detach(|| regions::register(tag, device, capacity, last_use))?)
 }
 
-/// Notes that the work enqueued so far on `stream` used the regions of `tags` (matters for
-/// regions created with `last_use`: their binds wait only up to the last noted use).
+/// Notes that the work enqueued so far on `streams` (`{device: stream handle}`, each region's
+/// on its own device's) used the regions of `tags` (matters for regions created with
+/// `last_use`: their binds wait only up to the last noted use).
 #[pyfunction]
-fn note_use(tags: Vec<String>, stream: usize) -> PyResult<()> {
-    Ok(regions::note_use(&tags, stream)?)
+fn note_use(tags: Vec<String>, streams: Streams) -> PyResult<()> {
+    Ok(regions::note_use(&tags, &streams)?)
+}
+
+/// The CUDA device the region `tag` lives on.
+#[pyfunction]
+fn region_device(tag: &str) -> PyResult<i32> {
+    Ok(regions::device(tag)?)
 }
 
 /// Registered tags, in slot order.
@@ -219,27 +238,29 @@ fn take_free_errors() -> Vec<String> {
 
 /// Sleeps the regions of `tags`: with `keep`, their bytes are copied to pinned host memory;
 /// without, discarded. Returns `{tag: {"bytes", "seconds", "gb_per_s", "storage"}}`.
-/// `stream` is the CUDA stream (handle) the copies are ordered on.
+/// `streams` (`{device: stream handle}`) are the CUDA streams the copies are ordered on, each
+/// region's on its own device's.
 #[pyfunction]
 fn sleep<'py>(
     py: Python<'py>,
     tags: Vec<String>,
     keep: bool,
-    stream: usize,
+    streams: Streams,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let done = py.detach(|| regions::sleep(&tags, keep, stream))?;
+    let done = py.detach(|| regions::sleep(&tags, keep, &streams))?;
     transfers(py, done)
 }
 
-/// Wakes the regions of `tags` (each backed by one allocation under one mapping). Returns
-/// the same record as `sleep`.
+/// Wakes the regions of `tags` (each backed by one allocation under one mapping), each on its
+/// own device's stream of `streams`. Returns the same record as `sleep`.
 #[pyfunction]
-fn wake<'py>(py: Python<'py>, tags: Vec<String>, stream: usize) -> PyResult<Bound<'py, PyDict>> {
-    let done = py.detach(|| regions::wake(&tags, stream))?;
+fn wake<'py>(py: Python<'py>, tags: Vec<String>, streams: Streams) -> PyResult<Bound<'py, PyDict>> {
+    let done = py.detach(|| regions::wake(&tags, &streams))?;
     transfers(py, done)
 }
 
-/// A new weight set of `tag` holding the region's current contents.
+/// A new weight set of `tag` holding the region's current contents, copied on `stream` (a
+/// stream of the region's device).
 #[pyfunction]
 fn snapshot(py: Python<'_>, tag: &str, stream: usize) -> PyResult<WeightSet> {
     let snapshot = py.detach(|| regions::snapshot(tag, stream))?;
@@ -255,7 +276,8 @@ fn bind(py: Python<'_>, tag: &str, weights: &Bound<'_, WeightSet>) -> PyResult<O
 }
 
 /// Makes `tag`'s region read `weights` by `strategy` (`"auto"`, `"copy"` or `"remap"`): a remap
-/// as `bind`, or a copy on `stream` into the region's own live set. Returns which way it went,
+/// as `bind`, or a copy on `stream` (a stream of the region's device) into the region's own
+/// live set. Returns which way it went,
 /// `"copy"` or `"remap"`.
 #[pyfunction]
 fn switch(
@@ -302,11 +324,11 @@ fn check_replayable(tags: Vec<String>) -> PyResult<()> {
 }
 
 /// `{tag: {"reserved", "allocated", "allocations", "span", "mapped", "mappings", "asleep",
-/// "host_bytes"}}` for every region.
+/// "host_bytes", "device"}}` for every region.
 #[pyfunction(name = "stats")]
 fn region_stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let out = PyDict::new(py);
-    for one in py.detach(regions::stats) {
+    for (one, device) in py.detach(regions::stats) {
         let entry = PyDict::new(py);
         for (key, value) in TagStats::from(&one).fields() {
             match value {
@@ -314,6 +336,7 @@ fn region_stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
                 Value::Flag(flag) => entry.set_item(key, flag)?,
             }
         }
+        entry.set_item("device", device)?;
         out.set_item(one.tag, entry)?;
     }
     Ok(out)
@@ -326,8 +349,9 @@ fn timeline_svg(py: Python<'_>, title: &str) -> PyResult<String> {
     Ok(py.detach(|| regions::timeline(title))?)
 }
 
-/// Pins `nbytes` of host memory on `device` for sleeping regions now (about 0.5 s per GiB, once)
-/// and returns the pinned capacity.
+/// Pins `nbytes` of host memory through `device`'s context for sleeping regions now (about
+/// 0.5 s per GiB, once) and returns the pinned capacity. One arena per process, portable:
+/// regions of every device sleep into it.
 #[pyfunction]
 fn reserve_host(py: Python<'_>, nbytes: usize, device: i32) -> PyResult<usize> {
     Ok(py.detach(|| regions::reserve_host(nbytes, device))?)
@@ -373,6 +397,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("Unbound", py.get_type::<Unbound>())?;
     m.add("UnknownTag", py.get_type::<UnknownTag>())?;
     m.add("SnapshotMismatch", py.get_type::<SnapshotMismatch>())?;
+    m.add("DeviceMismatch", py.get_type::<DeviceMismatch>())?;
     m.add_class::<WeightSet>()?;
     m.add_function(wrap_pyfunction!(register, m)?)?;
     m.add_function(wrap_pyfunction!(registered_tags, m)?)?;
@@ -389,6 +414,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(unbind, m)?)?;
     m.add_function(wrap_pyfunction!(check_replayable, m)?)?;
     m.add_function(wrap_pyfunction!(note_use, m)?)?;
+    m.add_function(wrap_pyfunction!(region_device, m)?)?;
     m.add_function(wrap_pyfunction!(region_stats, m)?)?;
     m.add_function(wrap_pyfunction!(timeline_svg, m)?)?;
     m.add_function(wrap_pyfunction!(reserve_host, m)?)?;

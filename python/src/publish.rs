@@ -6,18 +6,17 @@
 //! matches) is in the pure-Python `stablebuf/publish.py`; this file moves messages and memory.
 //! Sockets are owned here (std's `UnixStream`), so no descriptor crosses into Python.
 
-use std::collections::HashMap;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::Mutex;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-use stablebuf::cudarc::driver::CudaContext;
 use stablebuf::region::Snapshot;
 use stablebuf::share::publish::{self, Expectation, PublishMessage};
 use stablebuf::share::ProtocolError;
 
+use crate::context::{ContextNeutral, ContextScope};
 use crate::errors::Failure;
 use crate::{regions, WeightSet};
 
@@ -208,6 +207,9 @@ impl Channel {
         let weights = weights.get();
         let (snapshot, tag) = (weights.snapshot.clone(), weights.tag.clone());
         let ctx = regions::device_context_of(&tag).map_err(PyErr::from)?;
+        // Exporting makes the set's context current; the caller's comes back (`with` runs the
+        // closure on this thread).
+        let _scope = ContextScope::keep();
         self.with(py, move |socket| {
             publish::offer_weight_set(socket, &snapshot, &tag, fingerprint, &ctx).map(|o| o.set)
         })
@@ -231,7 +233,11 @@ impl Channel {
         nbytes: Option<u64>,
         access: Option<Vec<usize>>,
     ) -> PyResult<ImportedWeightSet> {
-        let ctx = import_context(device)?;
+        // Opening the device and importing make its context current; the caller's comes back
+        // (`with` runs the closure on this thread), so importing on the engine's GPU does not
+        // move PyTorch's current device.
+        let _scope = ContextScope::keep();
+        let ctx = regions::device_context(device)?;
         let expect = Expectation {
             tag,
             layout_fingerprint: fingerprint,
@@ -243,7 +249,7 @@ impl Channel {
         })?;
         let ptr = snapshot.home_ptr().map_err(publish_error)?;
         Ok(ImportedWeightSet {
-            snapshot,
+            snapshot: ContextNeutral::new(snapshot),
             set: offer.set,
             tag: offer.tag,
             ptr,
@@ -336,7 +342,8 @@ impl Channel {
 /// while this object (or a tensor made over it through `__cuda_array_interface__`) does.
 #[pyclass(module = "stablebuf", name = "ImportedWeightSet", frozen)]
 pub struct ImportedWeightSet {
-    snapshot: Snapshot,
+    /// Dropped wherever Python lets go of it: its release must not move the current device.
+    snapshot: ContextNeutral<Snapshot>,
     set: u64,
     tag: String,
     ptr: u64,
@@ -410,7 +417,8 @@ impl ImportedWeightSet {
             crate::dlpack::DEVICE_CUDA,
             self.device,
             copy,
-            self.snapshot.clone(),
+            // The capsule's deleter runs wherever PyTorch frees the tensor.
+            ContextNeutral::new(self.snapshot.clone()),
         )
     }
 
@@ -430,24 +438,6 @@ impl ImportedWeightSet {
     }
 }
 
-/// The (primary) context of `device` to import sets into. Not the regions' context: a
-/// trainer may import on the engine's GPU while its own regions live on another.
-fn import_context(device: i32) -> PyResult<Arc<CudaContext>> {
-    static CONTEXTS: OnceLock<Mutex<HashMap<usize, Arc<CudaContext>>>> = OnceLock::new();
-    let ordinal = usize::try_from(device)
-        .map_err(|_| PyValueError::new_err(format!("invalid device index {device}")))?;
-    let mut contexts = CONTEXTS
-        .get_or_init(Mutex::default)
-        .lock()
-        .unwrap_or_else(|p| p.into_inner());
-    if let Some(ctx) = contexts.get(&ordinal) {
-        return Ok(ctx.clone());
-    }
-    let ctx = stablebuf::open_device(ordinal).map_err(publish_error)?;
-    contexts.insert(ordinal, ctx.clone());
-    Ok(ctx)
-}
-
 /// A weight set of `tag` that another process can import (`stablebuf.publish.Engine` makes
 /// its spare sets with it).
 #[pyfunction]
@@ -455,7 +445,7 @@ fn snapshot_shareable(py: Python<'_>, tag: &str, stream: usize) -> PyResult<Weig
     let snapshot = py.detach(|| regions::snapshot_shareable(tag, stream))?;
     Ok(WeightSet {
         tag: tag.to_string(),
-        snapshot,
+        snapshot: ContextNeutral::new(snapshot),
     })
 }
 

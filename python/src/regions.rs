@@ -1,12 +1,21 @@
 //! The process-wide regions and the one place that calls `stablebuf::region`.
 //!
-//! One `State` per process behind one lock: the tag table (tag → [`Region`], allocator slot),
-//! the device's context, and the pinned [`HostArena`] that sleeping regions are copied into.
-//! The lock is held only to look things up or swap the arena; driver work runs on a cloned
-//! [`Region`] handle (each region locks itself), so an allocation in one region never waits for
-//! another region's sleep. Nothing here touches Python: the C entry points call in without the
-//! GIL, and the bindings release the GIL around the slow calls.
+//! One `State` per process behind one lock: the tag table (tag → [`Region`], its device and
+//! allocator slot), each device's context, and the pinned [`HostArena`] that sleeping regions
+//! are copied into. The lock is held only to look things up or swap the arena; driver work
+//! runs on a cloned [`Region`] handle (each region locks itself), so an allocation in one
+//! region never waits for another region's sleep. Nothing here touches Python: the C entry
+//! points call in without the GIL, and the bindings release the GIL around the slow calls.
+//!
+//! **Devices.** A region lives on the device it was registered on (PyTorch's current device
+//! when its pool was made), in that device's primary context, the one PyTorch uses. Every call
+//! acts on each region in the region's own context, on the stream the caller names for the
+//! region's device ([`Streams`]), whatever device is current, and leaves the caller's context
+//! current when it returns ([`ContextScope`]). The pinned arena is one per process: it is
+//! pinned portable (`CU_MEMHOSTREGISTER_PORTABLE` / `CU_MEMHOSTALLOC_PORTABLE`), so every
+//! context copies to and from it at pinned speed.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -16,6 +25,7 @@ use stablebuf::region::{
 };
 use stablebuf::{CostModel, FencePolicy, HostArena, HostStorage, StorageUsed, TransferReport};
 
+use crate::context::ContextScope;
 use crate::errors::{Failure, Kind};
 use crate::tags::{Reserved, TagTable};
 
@@ -35,7 +45,8 @@ const ARENA_STEP: usize = 64 << 20;
 #[derive(Default)]
 struct State {
     table: TagTable<Region>,
-    ctx: Option<Arc<CudaContext>>,
+    /// Each device's primary context, by ordinal, opened once.
+    contexts: HashMap<usize, Arc<CudaContext>>,
     arena: Option<Arc<HostArena>>,
     /// How long the last pin of the arena took, and how many pins there were.
     last_pin: Duration,
@@ -64,27 +75,27 @@ fn failure(error: stablebuf::Error, ctx: Option<&CudaContext>) -> Failure {
 
 /// The context of `device` (its primary context, the one PyTorch uses), opened once.
 fn context(state: &mut State, device: i32) -> Result<Arc<CudaContext>, Failure> {
-    if let Some(ctx) = &state.ctx {
-        if ctx.ordinal() as i32 != device {
-            return Err(Failure::new(
-                Kind::Error,
-                format!(
-                    "stablebuf uses device {} in this process, not device {device}",
-                    ctx.ordinal()
-                ),
-            ));
-        }
-        return Ok(ctx.clone());
-    }
     let ordinal = usize::try_from(device)
         .map_err(|_| Failure::new(Kind::Error, format!("invalid device index {device}")))?;
+    if let Some(ctx) = state.contexts.get(&ordinal) {
+        return Ok(ctx.clone());
+    }
+    // Opening makes the new context current: the caller's comes back.
+    let _scope = ContextScope::keep();
     let ctx = stablebuf::open_device(ordinal).map_err(|e| failure(e, None))?;
-    state.ctx = Some(ctx.clone());
+    state.contexts.insert(ordinal, ctx.clone());
     Ok(ctx)
 }
 
-/// Registers `tag` on `device` (creating its region, `capacity` bytes of addresses) and
-/// returns its allocator slot. Registering an existing tag returns its slot.
+/// The primary context of `device`, opened once per process (regions and imported weight sets
+/// of that device share it). The calling thread's current context is left as it was.
+pub fn device_context(device: i32) -> Result<Arc<CudaContext>, Failure> {
+    context(&mut state(), device)
+}
+
+/// Registers `tag` on `device` (creating its region there, `capacity` bytes of addresses) and
+/// returns its allocator slot. Registering an existing tag returns its slot if `device` is
+/// the tag's; from another device it is a [`Kind::DeviceMismatch`] naming both devices.
 /// With `last_use`, the region's fence is [`FencePolicy::LastUse`]: a bind, sleep or free waits
 /// only for the uses noted with [`note_use`] (guarded replays note theirs), so a bind of this
 /// region overlaps a replay over another region queued after its last use. Only a new region
@@ -110,6 +121,7 @@ pub fn register(
         options = options.fence(FencePolicy::LastUse);
     }
     state.table.register(tag, device, || {
+        let _scope = ContextScope::enter(&ctx)?;
         Region::new(&ctx, tag, options).map_err(|e| failure(e, Some(&ctx)))
     })
 }
@@ -134,6 +146,11 @@ fn region(tag: &str) -> Result<Region, Failure> {
     Ok(state().table.get(tag)?.region.clone())
 }
 
+/// The device `tag`'s region lives on.
+pub fn device(tag: &str) -> Result<i32, Failure> {
+    Ok(state().table.get(tag)?.device)
+}
+
 fn regions<S: AsRef<str>>(tags: &[S]) -> Result<Vec<Region>, Failure> {
     let state = state();
     Ok(state
@@ -144,7 +161,8 @@ fn regions<S: AsRef<str>>(tags: &[S]) -> Result<Vec<Region>, Failure> {
         .collect())
 }
 
-/// The allocation entry point of `slot`: `bytes` from that tag's region, on `device`.
+/// The allocation entry point of `slot`: `bytes` from that tag's region, which must live on
+/// `device` (the device PyTorch allocates for); another device is a [`Kind::DeviceMismatch`].
 pub fn alloc(slot: usize, bytes: usize, device: i32) -> Result<u64, Failure> {
     let (region, home) = {
         let state = state();
@@ -152,20 +170,16 @@ pub fn alloc(slot: usize, bytes: usize, device: i32) -> Result<u64, Failure> {
         (entry.region.clone(), entry.device)
     };
     if device != home {
-        return Err(Failure::new(
-            Kind::Error,
-            format!(
-                "region `{}` lives on device {home}; PyTorch asked for memory on device {device}",
-                region.tag()
-            ),
-        ));
+        return Err(Failure::device_mismatch(region.tag(), home, device));
     }
+    let _scope = ContextScope::enter(region.context())?;
     region
         .alloc(bytes)
         .map_err(|e| failure(e, Some(region.context())))
 }
 
-/// The free entry point: gives the allocation at `address` back to the region that holds it.
+/// The free entry point: gives the allocation at `address` back to the region that holds it
+/// (in the region's context, whichever device PyTorch frees from).
 pub fn free(address: u64) -> Result<usize, Failure> {
     let region = state()
         .table
@@ -177,17 +191,37 @@ pub fn free(address: u64) -> Result<usize, Failure> {
                 format!("no stablebuf region holds address {address:#x}"),
             )
         })?;
+    let _scope = ContextScope::enter(region.context())?;
     region.free(address).map_err(|e| failure(e, None))
 }
 
-/// Notes that the work enqueued so far on `stream` (PyTorch's stream handle) used the regions
-/// of `tags`: a later bind, sleep or free of a region created with `last_use` waits up to here
-/// on that stream (an event; nothing waits now). A no-op for the other regions.
-pub fn note_use<S: AsRef<str>>(tags: &[S], stream: usize) -> Result<(), Failure> {
-    for region in regions(tags)? {
-        region.note_use(stream as u64).map_err(|e| {
-            failure(e, None).context(format_args!("noting a use of `{}`", region.tag()))
-        })?;
+/// PyTorch's current stream (its handle) on each device, by device ordinal. A region's copies
+/// and fences go on the stream of its own device, whatever device is current when the call is
+/// made; a device with no entry uses its legacy default stream (handle 0), which is what
+/// PyTorch uses before it has made any other current.
+pub type Streams = HashMap<usize, usize>;
+
+fn stream_handle(streams: &Streams, region: &Region) -> usize {
+    streams
+        .get(&region.context().ordinal())
+        .copied()
+        .unwrap_or(0)
+}
+
+/// Notes that the work enqueued so far on the streams of `streams` used the regions of `tags`
+/// (each region's on its own device's stream): a later bind, sleep or free of a region created
+/// with `last_use` waits up to here on that stream (an event; nothing waits now). A no-op for
+/// the other regions.
+pub fn note_use<S: AsRef<str>>(tags: &[S], streams: &Streams) -> Result<(), Failure> {
+    let regions = regions(tags)?;
+    let scope = ContextScope::keep();
+    for region in regions {
+        scope.switch_to(region.context())?;
+        region
+            .note_use(stream_handle(streams, &region) as u64)
+            .map_err(|e| {
+                failure(e, None).context(format_args!("noting a use of `{}`", region.tag()))
+            })?;
     }
     Ok(())
 }
@@ -222,14 +256,47 @@ impl Transfer {
     }
 }
 
-/// Torch's stream as a cudarc stream of `ctx`.
-fn borrowed_stream(ctx: &Arc<CudaContext>, handle: usize) -> Arc<CudaStream> {
-    // SAFETY: `handle` is PyTorch's current stream on the regions' device (the Python layer
-    // passes `torch.cuda.current_stream().cuda_stream`), so it belongs to this (primary)
-    // context; PyTorch keeps it alive for the duration of the call, and the wrapper (which
-    // does not destroy a borrowed stream) is dropped before the call returns. Work a call
-    // leaves enqueued on it (a copy switch's copy) is the stream's like any PyTorch kernel.
-    unsafe { ctx.wrap_borrowed_stream(handle as sys::CUstream) }
+/// PyTorch's stream `handle` as a cudarc stream of `region`'s context, which must be current
+/// (the caller's [`ContextScope`] made it so). A stream of another context (another device's)
+/// is refused: the region's copies and fences must run on its own device.
+fn borrowed_stream(region: &Region, handle: usize) -> Result<Arc<CudaStream>, Failure> {
+    let ctx = region.context();
+    let stream = handle as sys::CUstream;
+    let mut owner: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: asks the driver which context `stream` belongs to; the null stream (handle 0)
+    // answers with the current context, the region's.
+    let asked = unsafe { sys::cuStreamGetCtx(stream, &mut owner) };
+    if asked != sys::CUresult::CUDA_SUCCESS {
+        return Err(Failure::from_core(
+            &stablebuf::Error::Driver {
+                call: "cuStreamGetCtx",
+                result: asked,
+                bytes: 0,
+            },
+            None,
+        )
+        .context(format_args!(
+            "checking the stream {handle:#x} given for region `{}`",
+            region.tag()
+        )));
+    }
+    if owner != ctx.cu_ctx() {
+        return Err(Failure::new(
+            Kind::DeviceMismatch,
+            format!(
+                "stream {handle:#x} belongs to another device's context than region `{}`, which \
+                 lives on device {}: pass that device's stream (torch.cuda.current_stream({}))",
+                region.tag(),
+                ctx.ordinal(),
+                ctx.ordinal()
+            ),
+        ));
+    }
+    // SAFETY: `stream` belongs to this (primary) context, checked above; PyTorch keeps it
+    // alive for the duration of the call, and the wrapper (which does not destroy a borrowed
+    // stream) is dropped before the call returns. Work a call leaves enqueued on it (a copy
+    // switch's copy) is the stream's like any PyTorch kernel.
+    Ok(unsafe { ctx.wrap_borrowed_stream(stream) })
 }
 
 /// Round `bytes` up to whole arena steps.
@@ -237,24 +304,27 @@ pub fn arena_size(bytes: usize) -> usize {
     bytes.div_ceil(ARENA_STEP).max(1) * ARENA_STEP
 }
 
-/// A pinned arena with at least `needed` bytes free, pinning (again) only when the current
-/// one is too small and holds nothing. When it is too small but holds sleeping regions, the
-/// current one is returned and the core streams what does not fit through it (slower).
-fn arena_for(state: &mut State, needed: usize) -> Result<Arc<HostArena>, Failure> {
+/// A pinned arena with at least `needed` bytes free, pinning (again, through `ctx`) only when
+/// the current one is too small and holds nothing. When it is too small but holds sleeping
+/// regions, the current one is returned and the core streams what does not fit through it
+/// (slower). The arena is portable: pinned through one device's context, it serves them all.
+fn arena_for(
+    state: &mut State,
+    ctx: &Arc<CudaContext>,
+    needed: usize,
+) -> Result<Arc<HostArena>, Failure> {
     if let Some(arena) = &state.arena {
         let holds_nothing = arena.free_bytes() == arena.capacity();
         if arena.largest_free() >= needed || !holds_nothing {
             return Ok(arena.clone());
         }
     }
-    let ctx = state
-        .ctx
-        .clone()
-        .ok_or_else(|| Failure::new(Kind::Error, "no region exists yet"))?;
-    pin(state, &ctx, arena_size(needed))
+    pin(state, ctx, arena_size(needed))
 }
 
 fn pin(state: &mut State, ctx: &Arc<CudaContext>, bytes: usize) -> Result<Arc<HostArena>, Failure> {
+    // Pinning and unpinning make their context current: the caller's comes back.
+    let _scope = ContextScope::keep();
     // Unpin the old one first: both at once could exhaust pinnable memory.
     state.arena = None;
     let start = Instant::now();
@@ -266,7 +336,8 @@ fn pin(state: &mut State, ctx: &Arc<CudaContext>, bytes: usize) -> Result<Arc<Ho
 }
 
 /// Pins `bytes` of host memory for sleeping regions now (the slow step: about 0.5 s per GiB),
-/// so that later sleeps only copy. Returns the arena's capacity.
+/// through `device`'s context, so that later sleeps only copy. The arena is one per process
+/// and portable: the regions of every device sleep into it. Returns the arena's capacity.
 pub fn reserve_host(bytes: usize, device: i32) -> Result<usize, Failure> {
     let mut state = state();
     let ctx = context(&mut state, device)?;
@@ -302,19 +373,28 @@ pub fn host_arena() -> Option<(usize, usize, f64, u32)> {
     })
 }
 
-/// Sleeps the regions of `tags`: with `keep`, their bytes go to the pinned arena (pinned on
-/// first use); without, they are discarded. All or nothing: if one region fails, the ones this
-/// call put to sleep are woken again before the failure is returned.
+/// Sleeps the regions of `tags`, each on its own device's stream of `streams`: with `keep`,
+/// their bytes go to the pinned arena (pinned on first use); without, they are discarded. All
+/// or nothing: an awake region that cannot sleep (unbound) refuses the call before any region
+/// sleeps, and if one region fails while sleeping, the ones this call put to sleep are woken
+/// again (with their contents only if `keep`) before the failure is returned.
 pub fn sleep<S: AsRef<str>>(
     tags: &[S],
     keep: bool,
-    stream: usize,
+    streams: &Streams,
 ) -> Result<Vec<Transfer>, Failure> {
     let regions = regions(tags)?;
     let Some(first) = regions.first() else {
         return Ok(Vec::new());
     };
-    let ctx = first.context().clone();
+    // Refused up front rather than undone: waking back a region whose contents this call
+    // discarded could not bring them back.
+    for region in regions.iter().filter(|region| !region.is_asleep()) {
+        region.check_replayable().map_err(|refusal| {
+            failure_of(refusal, region).context(format_args!("sleeping region `{}`", region.tag()))
+        })?;
+    }
+    let scope = ContextScope::keep();
     let storage = if keep {
         let needed: usize = regions
             .iter()
@@ -325,31 +405,40 @@ pub fn sleep<S: AsRef<str>>(
         if needed == 0 {
             HostStorage::Discard
         } else {
-            HostStorage::Pinned(arena_for(&mut state(), needed)?)
+            HostStorage::Pinned(arena_for(&mut state(), first.context(), needed)?)
         }
     } else {
         HostStorage::Discard
     };
-    let stream = borrowed_stream(&ctx, stream);
     let mut done = Vec::with_capacity(regions.len());
-    let mut slept_now: Vec<&Region> = Vec::new();
+    let mut slept_now: Vec<(&Region, Arc<CudaStream>)> = Vec::new();
     for region in &regions {
-        let was_asleep = region.is_asleep();
-        match region.sleep(&storage, &stream) {
-            Ok(report) => {
+        let outcome = scope.switch_to(region.context()).and_then(|()| {
+            let stream = borrowed_stream(region, stream_handle(streams, region))?;
+            let was_asleep = region.is_asleep();
+            let report = region.sleep(&storage, &stream).map_err(|error| {
+                failure_of(error, region)
+                    .context(format_args!("sleeping region `{}`", region.tag()))
+            })?;
+            Ok((report, was_asleep, stream))
+        });
+        match outcome {
+            Ok((report, was_asleep, stream)) => {
                 if !was_asleep {
-                    slept_now.push(region);
+                    slept_now.push((region, stream));
                 }
                 done.push(Transfer::new(region.tag(), &report));
             }
-            Err(error) => {
-                let failure = failure(error, Some(&ctx))
-                    .context(format_args!("sleeping region `{}`", region.tag()));
-                for undo in slept_now.iter().rev() {
-                    if let Err(undo_error) = undo.wake(&stream) {
+            Err(failure) => {
+                for (undo, stream) in slept_now.iter().rev() {
+                    let woken = scope
+                        .switch_to(undo.context())
+                        .and_then(|()| undo.wake(stream).map_err(|e| failure_of(e, undo)));
+                    if let Err(undo_failure) = woken {
                         return Err(failure.context(format_args!(
-                            "(waking `{}` back also failed: {undo_error}; it stays asleep)",
-                            undo.tag()
+                            "(waking `{}` back also failed: {}; it stays asleep)",
+                            undo.tag(),
+                            undo_failure.message
                         )));
                     }
                 }
@@ -360,50 +449,56 @@ pub fn sleep<S: AsRef<str>>(
     Ok(done)
 }
 
-/// Wakes the regions of `tags`, each backed by one allocation under one mapping. Waking an
-/// awake region does nothing. On failure the regions before the failing one are awake, the
-/// failing one and those after it still asleep with their host copies: retrying is safe.
-pub fn wake<S: AsRef<str>>(tags: &[S], stream: usize) -> Result<Vec<Transfer>, Failure> {
+/// A core error of `region`'s as a [`Failure`] (out of memory: with its device's free bytes).
+fn failure_of(error: stablebuf::Error, region: &Region) -> Failure {
+    failure(error, Some(region.context()))
+}
+
+/// Wakes the regions of `tags`, each backed by one allocation under one mapping, each on its
+/// own device's stream of `streams`. Waking an awake region does nothing. On failure the
+/// regions before the failing one are awake, the failing one and those after it still asleep
+/// with their host copies: retrying is safe.
+pub fn wake<S: AsRef<str>>(tags: &[S], streams: &Streams) -> Result<Vec<Transfer>, Failure> {
     let regions = regions(tags)?;
-    let Some(first) = regions.first() else {
-        return Ok(Vec::new());
-    };
-    let stream = borrowed_stream(first.context(), stream);
+    let scope = ContextScope::keep();
     let mut done = Vec::with_capacity(regions.len());
     for region in &regions {
+        scope.switch_to(region.context())?;
+        let stream = borrowed_stream(region, stream_handle(streams, region))?;
         let report = region.wake(&stream).map_err(|e| {
-            failure(e, Some(region.context()))
-                .context(format_args!("waking region `{}`", region.tag()))
+            failure_of(e, region).context(format_args!("waking region `{}`", region.tag()))
         })?;
         done.push(Transfer::new(region.tag(), &report));
     }
     Ok(done)
 }
 
-/// A weight set of `tag`: a second backing of its used span holding the current contents.
+/// A weight set of `tag`: a second backing of its used span holding the current contents,
+/// copied on `stream` (PyTorch's stream of the region's device).
 pub fn snapshot(tag: &str, stream: usize) -> Result<Snapshot, Failure> {
     let region = region(tag)?;
-    let stream = borrowed_stream(region.context(), stream);
-    region
-        .snapshot(&stream)
-        .map_err(|e| failure(e, Some(region.context())))
+    let _scope = ContextScope::enter(region.context())?;
+    let stream = borrowed_stream(&region, stream)?;
+    region.snapshot(&stream).map_err(|e| failure_of(e, &region))
 }
 
 /// A weight set of `tag` in memory another process can import (the publish path).
 pub fn snapshot_shareable(tag: &str, stream: usize) -> Result<Snapshot, Failure> {
     let region = region(tag)?;
-    let stream = borrowed_stream(region.context(), stream);
+    let _scope = ContextScope::enter(region.context())?;
+    let stream = borrowed_stream(&region, stream)?;
     region
         .snapshot_shareable(&stream)
-        .map_err(|e| failure(e, Some(region.context())))
+        .map_err(|e| failure_of(e, &region))
 }
 
 /// Wakes the sleeping region `tag` straight onto `weights` (one mapping, no copy).
 pub fn wake_onto(tag: &str, weights: &Snapshot) -> Result<(), Failure> {
     let region = region(tag)?;
+    let _scope = ContextScope::enter(region.context())?;
     region
         .wake_onto(weights)
-        .map_err(|e| failure(e, Some(region.context())))
+        .map_err(|e| failure_of(e, &region))
 }
 
 /// The first address of `tag`'s reservation: manifests give offsets from it.
@@ -434,10 +529,9 @@ pub fn bind(tag: &str, weights: &Snapshot, weights_tag: &str) -> Result<Option<S
             ),
         ));
     }
+    let _scope = ContextScope::enter(region.context())?;
     let previous = region.bound();
-    region
-        .bind(weights)
-        .map_err(|e| failure(e, Some(region.context())))?;
+    region.bind(weights).map_err(|e| failure_of(e, &region))?;
     Ok(previous)
 }
 
@@ -460,8 +554,8 @@ pub fn way_name(way: Switched) -> &'static str {
 }
 
 /// Makes `tag`'s region read `weights` (taken from region `weights_tag`) the way `strategy`
-/// says: by remap (as [`bind`]) or by a copy, enqueued on `stream`, into the region's own live
-/// set. Returns which way it went.
+/// says: by remap (as [`bind`]) or by a copy, enqueued on `stream` (PyTorch's stream of the
+/// region's device), into the region's own live set. Returns which way it went.
 pub fn switch(
     tag: &str,
     weights: &Snapshot,
@@ -479,17 +573,19 @@ pub fn switch(
             ),
         ));
     }
-    let stream = borrowed_stream(region.context(), stream);
+    let _scope = ContextScope::enter(region.context())?;
+    let stream = borrowed_stream(&region, stream)?;
     region
         .switch_to(weights, strategy, &stream)
-        .map_err(|e| failure(e, Some(region.context())))
+        .map_err(|e| failure_of(e, &region))
 }
 
 /// The weight-set size above which a remap is cheaper than a copy on `device`, from its cost
 /// model (calibrated once per process: tens of milliseconds, 1 GiB of device memory meanwhile);
 /// `None` if one way always wins.
 pub fn crossover_bytes(device: i32) -> Result<Option<usize>, Failure> {
-    let ctx = context(&mut state(), device)?;
+    let ctx = device_context(device)?;
+    let _scope = ContextScope::enter(&ctx)?;
     let model = CostModel::for_device(&ctx).map_err(|e| failure(e, Some(&ctx)))?;
     Ok(model.crossover_bytes())
 }
@@ -502,6 +598,7 @@ pub fn bound(tag: &str) -> Result<Option<Snapshot>, Failure> {
 /// Unmaps `tag`'s weight set; guarded replays then raise `Unbound` until a bind.
 pub fn unbind(tag: &str) -> Result<(), Failure> {
     let region = region(tag)?;
+    let _scope = ContextScope::enter(region.context())?;
     region.unbind().map_err(|e| failure(e, None))
 }
 
@@ -513,15 +610,18 @@ pub fn check_replayable<S: AsRef<str>>(tags: &[S]) -> Result<(), Failure> {
     Ok(())
 }
 
-/// Every region's statistics, in slot order.
-pub fn stats() -> Vec<RegionStats> {
-    let regions: Vec<Region> = state()
+/// Every region's statistics and the device it lives on, in slot order.
+pub fn stats() -> Vec<(RegionStats, i32)> {
+    let regions: Vec<(Region, i32)> = state()
         .table
         .entries()
         .iter()
-        .map(|entry| entry.region.clone())
+        .map(|entry| (entry.region.clone(), entry.device))
         .collect();
-    regions.iter().map(Region::stats).collect()
+    regions
+        .iter()
+        .map(|(region, device)| (region.stats(), *device))
+        .collect()
 }
 
 /// The SVG timeline of every region's maps, unmaps, allocations and frees.
@@ -544,17 +644,21 @@ mod tests {
 
     #[test]
     fn unknown_tags_fail_before_any_driver_call() {
+        let streams = Streams::new();
         for failure in [
-            sleep(&["missing"], true, 0).unwrap_err(),
-            wake(&["missing"], 0).unwrap_err(),
+            sleep(&["missing"], true, &streams).unwrap_err(),
+            wake(&["missing"], &streams).unwrap_err(),
+            note_use(&["missing"], &streams).unwrap_err(),
             snapshot("missing", 0).unwrap_err(),
             unbind("missing").unwrap_err(),
             check_replayable(&["missing"]).unwrap_err(),
             bound("missing").unwrap_err(),
+            device("missing").unwrap_err(),
         ] {
             assert_eq!(failure.kind, Kind::UnknownTag, "{failure}");
         }
-        assert_eq!(sleep::<&str>(&[], true, 0), Ok(Vec::new()));
+        assert_eq!(sleep::<&str>(&[], true, &streams), Ok(Vec::new()));
+        assert_eq!(wake::<&str>(&[], &streams), Ok(Vec::new()));
         assert_eq!(check_replayable::<&str>(&[]), Ok(()));
     }
 

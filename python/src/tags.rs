@@ -1,9 +1,10 @@
 //! The tag table: which region a tag names, which allocator slot serves it, and which region
 //! owns an address.
 //!
-//! Pure bookkeeping, generic over the region type so it is tested without a GPU. Entries are
-//! never removed: a tag's PyTorch pool calls its slot's entry point for the life of the process,
-//! so a slot must keep meaning the same region.
+//! Pure bookkeeping, generic over the region type so it is tested without a GPU. Each entry
+//! records the device its region lives on: regions of different tags may live on different
+//! devices, a tag on one only. Entries are never removed: a tag's PyTorch pool calls its slot's
+//! entry point for the life of the process, so a slot must keep meaning the same region.
 
 use crate::errors::{Failure, Kind};
 
@@ -123,14 +124,11 @@ impl<R: Reserved> TagTable<R> {
         self.entries.iter().find(|e| e.region.contains(address))
     }
 
-    /// The device every region lives on (the first region's), if any exists.
-    pub fn device(&self) -> Option<i32> {
-        self.entries.first().map(|e| e.device)
-    }
-
     /// Registers `tag` on `device`, creating its region with `create`, and returns its slot.
-    /// An existing tag returns its slot (nothing is created) if it is on the same device.
-    /// All regions of a process live on one device.
+    /// An existing tag returns its slot (nothing is created) if it is on the same device: a tag
+    /// names one region on one device, and asking for it from another device is a
+    /// [`Kind::DeviceMismatch`] naming both. Regions of different tags may live on different
+    /// devices.
     pub fn register(
         &mut self,
         tag: &str,
@@ -139,25 +137,11 @@ impl<R: Reserved> TagTable<R> {
     ) -> Result<usize, Failure> {
         validate_tag(tag)?;
         if let Some(slot) = self.slot(tag) {
-            let existing = self.entries[slot].device;
-            if existing != device {
-                return Err(Failure::new(
-                    Kind::Error,
-                    format!("tag `{tag}` lives on device {existing}, not on device {device}"),
-                ));
+            let home = self.entries[slot].device;
+            if home != device {
+                return Err(Failure::device_mismatch(tag, home, device));
             }
             return Ok(slot);
-        }
-        if let Some(existing) = self.device() {
-            if existing != device {
-                return Err(Failure::new(
-                    Kind::Error,
-                    format!(
-                        "stablebuf regions of this process live on device {existing}; \
-                         a region on device {device} is not supported"
-                    ),
-                ));
-            }
         }
         if self.entries.len() == MAX_TAGS {
             return Err(Failure::new(
@@ -264,7 +248,7 @@ mod tests {
     }
 
     #[test]
-    fn bad_tags_and_a_second_device_are_refused_without_creating_anything() {
+    fn bad_tags_are_refused_without_creating_anything() {
         let mut table: TagTable<FakeRegion> = TagTable::new();
         for bad in ["", "tab\there", &"x".repeat(MAX_TAG_BYTES + 1)] {
             let failure = table
@@ -272,14 +256,37 @@ mod tests {
                 .unwrap_err();
             assert_eq!(failure.kind, Kind::Error, "{bad:?}");
         }
-        table.register("a", 0, fake(0x1000_0000)).unwrap();
-        let other_device = table
-            .register("b", 1, || panic!("nothing is created on another device"))
+        assert!(table.is_empty());
+    }
+
+    #[test]
+    fn tags_live_on_several_devices_but_a_tag_on_one_only() {
+        let mut table: TagTable<FakeRegion> = TagTable::new();
+        assert_eq!(table.register("a", 0, fake(0x1000_0000)), Ok(0));
+        assert_eq!(table.register("b", 1, fake(0x2000_0000)), Ok(1));
+        assert_eq!(table.at_slot(1).unwrap().device, 1);
+        assert_eq!(
+            table.register("b", 1, fake(0)),
+            Ok(1),
+            "the same device finds it"
+        );
+        let moved = table
+            .register("a", 1, || {
+                panic!("nothing is created for a tag of another device")
+            })
             .unwrap_err();
-        assert!(other_device.message.contains("device 0"), "{other_device}");
-        let moved = table.register("a", 1, fake(0)).unwrap_err();
-        assert!(moved.message.contains("device 0"), "{moved}");
-        assert_eq!(table.len(), 1);
+        assert_eq!(moved.kind, Kind::DeviceMismatch, "{moved}");
+        assert!(moved.message.contains("`a`"), "{moved}");
+        assert!(
+            moved.message.contains("device 0") && moved.message.contains("device 1"),
+            "{moved}"
+        );
+        assert_eq!(table.len(), 2);
+        assert_eq!(
+            table.get("a").unwrap().device,
+            0,
+            "the tag stays where it was"
+        );
     }
 
     #[test]

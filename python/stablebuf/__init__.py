@@ -34,6 +34,9 @@ graphs captured over them:
     stablebuf.bind("weights", ws_b); g.replay()   # runs on weight set B
     stablebuf.sleep("weights"); stablebuf.wake("weights"); g.replay()
 
+Regions of one process may live on several devices: each on the device that was current when
+it was created, and every call acts on a region on its own device, whatever device is current.
+
 The package imports without torch or a GPU (for tooling and tests); the PyTorch glue needs
 ``torch`` with CUDA when first used.
 """
@@ -69,6 +72,7 @@ from ._api import (
 from ._guard import graph_tags, guard_module, guard_stats
 from ._native import (
     Asleep,
+    DeviceMismatch,
     Error,
     OfferMismatch,
     OutOfMemory,
@@ -93,6 +97,7 @@ __all__ = [
     "Asleep",
     "CUDAGraph",
     "CaptureActive",
+    "DeviceMismatch",
     "Error",
     "GuardedGraph",
     "OfferMismatch",

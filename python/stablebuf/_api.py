@@ -8,10 +8,21 @@ import re
 import sys
 import threading
 import warnings
-from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    Optional,
+    Sequence,
+    Tuple,
+    Union,
+)
 
 from . import _guard, _native
-from ._native import Error, WeightSet
+from ._native import Error, UnknownTag, WeightSet
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -24,20 +35,24 @@ Tags = Union[str, Iterable[str]]
 _POOLS: Dict[str, Tuple[Any, Any]] = {}
 _POOLS_LOCK = threading.Lock()
 _EXPANDABLE_WARNED = False
+# The device of each tag's region: a region never moves, so what the extension said is kept.
+_TAG_DEVICES: Dict[str, int] = {}
 
 
 class CaptureActive(Error):
     """A call that unmaps, maps or copies region memory (``sleep``, ``wake``, ``bind``,
     ``switch``, ``unbind``, ``snapshot``, ``crossover_bytes``, which may calibrate) came while
-    a CUDA graph capture is under way on the current stream; nothing was changed."""
+    a CUDA graph capture is under way on the current stream (of the current device, or of the
+    device of a region the call acts on); nothing was changed."""
 
 
 CaptureActive.__module__ = "stablebuf"
 
 
-def _refuse_during_capture(call: str) -> None:
-    """Raise :class:`CaptureActive` if the current stream is capturing a CUDA graph: a remap
-    or a copy now would be captured into (or break) the graph being recorded."""
+def _refuse_during_capture(call: str, tags: Sequence[str] = ()) -> None:
+    """Raise :class:`CaptureActive` if the current stream, or the current stream of a device
+    the regions ``tags`` live on, is capturing a CUDA graph: a remap or a copy now would be
+    captured into (or break) the graph being recorded."""
     torch = sys.modules.get("torch")
     if torch is None:
         return  # without torch nothing can be capturing through PyTorch
@@ -45,6 +60,7 @@ def _refuse_during_capture(call: str) -> None:
         if not torch.cuda.is_initialized():
             return
         capturing = bool(torch.cuda.is_current_stream_capturing())
+        capturing = capturing or _capturing_on_other_devices(torch, tags)
     except Exception:  # noqa: BLE001 - a torch without CUDA: no capture can be under way
         return
     if capturing:
@@ -53,6 +69,45 @@ def _refuse_during_capture(call: str) -> None:
             "current stream; nothing was changed: call it before the capture begins or after "
             "it ends"
         )
+
+
+def _capturing_on_other_devices(torch: Any, tags: Sequence[str]) -> bool:
+    """Whether PyTorch's current stream is capturing on a device of the regions ``tags`` other
+    than the current device (the regions' copies and fences run on those streams)."""
+    here = torch.cuda.current_device()
+    for device in _devices_of(tags):
+        if device != here:
+            with torch.cuda.device(device):
+                if torch.cuda.is_current_stream_capturing():
+                    return True
+    return False
+
+
+def _device_of(tag: str) -> int:
+    """The CUDA device region ``tag`` lives on; :class:`UnknownTag` if there is no region."""
+    device = _TAG_DEVICES.get(tag)
+    if device is None:
+        device = _TAG_DEVICES[tag] = _native.region_device(tag)
+    return device
+
+
+def _devices_of(tags: Iterable[str]) -> List[int]:
+    """The devices of the regions ``tags``, each once. Unknown tags are skipped: the call that
+    follows names them in its :class:`UnknownTag`."""
+    devices: List[int] = []
+    for tag in tags:
+        try:
+            device = _device_of(tag)
+        except UnknownTag:
+            continue
+        if device not in devices:
+            devices.append(device)
+    return devices
+
+
+def _tags_on(device: int) -> List[str]:
+    """The tags whose regions live on ``device``, in creation order."""
+    return [tag for tag in _native.tags() if _device_of(tag) == device]
 
 
 def _as_tags(tags: Tags) -> List[str]:
@@ -76,12 +131,25 @@ def _torch() -> "Any":
     return torch
 
 
-def _current_stream() -> int:
-    """PyTorch's current CUDA stream handle (0, the legacy default stream, without torch)."""
+def _stream_of(tag: str) -> int:
+    """PyTorch's current CUDA stream handle on the device of region ``tag``, whatever device is
+    current (0, the legacy default stream, where torch has not initialised CUDA)."""
     torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_initialized():
         return 0
-    return int(torch.cuda.current_stream().cuda_stream)
+    return int(torch.cuda.current_stream(_device_of(tag)).cuda_stream)
+
+
+def _streams_of(tags: Iterable[str]) -> Dict[int, int]:
+    """``{device: PyTorch's current CUDA stream handle there}`` for the devices of the regions
+    ``tags``: each region's copies and fences go on its own device's stream. Empty where torch
+    has not initialised CUDA (the extension then uses each device's legacy default stream)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return {}
+    return {
+        device: int(torch.cuda.current_stream(device).cuda_stream) for device in _devices_of(tags)
+    }
 
 
 def _current_device() -> int:
@@ -155,6 +223,10 @@ def pool(
     on the current CUDA device, with ``capacity`` bytes of addresses; 1 TiB by default, which
     costs no memory).
 
+    The region lives on that device for good: a tag names one region on one device, and
+    asking for it while another device is current raises :class:`DeviceMismatch` (naming both
+    devices). Regions of other tags may live on other devices.
+
     ``fence`` (used when the region is created) says what a bind, sleep or free waits for
     before it unmaps: ``"device"`` (default) all work on the device, which cannot miss a use;
     ``"last-use"`` only the uses noted on each stream — guarded replays (every
@@ -171,10 +243,14 @@ def pool(
     last_use = _last_use(fence)
     with _POOLS_LOCK:
         found = _POOLS.get(tag)
+        device = _current_device()
         if found is not None:
+            # Creates nothing; raises DeviceMismatch if the tag's region is on another device.
+            _native.register(tag, device, capacity, last_use)
             return found[1]
         torch = _torch()
-        slot = _native.register(tag, _current_device(), capacity, last_use)
+        slot = _native.register(tag, device, capacity, last_use)
+        _TAG_DEVICES[tag] = device
         allocator = torch.cuda.memory.CUDAPluggableAllocator(
             library_path(), _native.alloc_symbol(slot), _native.FREE_SYMBOL
         )
@@ -202,10 +278,11 @@ def region(
     :func:`sleep`/:func:`wake` and :func:`bind`. Yields the tag's ``MemPool``.
 
     Raises :class:`Asleep` if the region is asleep (PyTorch could otherwise hand out cached
-    blocks over released memory) and :class:`Unbound` if it is unbound. An allocation the
-    region refuses raises the typed error (:class:`OutOfMemory` with the bytes asked and free,
-    :class:`Asleep`, ...) instead of PyTorch's generic out-of-memory error, which becomes its
-    ``__cause__``.
+    blocks over released memory), :class:`Unbound` if it is unbound, and
+    :class:`DeviceMismatch` if the region lives on another device than the current one. An
+    allocation the region refuses raises the typed error (:class:`OutOfMemory` with the bytes
+    asked and free, :class:`Asleep`, ...) instead of PyTorch's generic out-of-memory error,
+    which becomes its ``__cause__``.
     """
     torch = _torch()
     mem_pool = pool(tag, capacity=capacity, fence=fence)
@@ -236,16 +313,17 @@ def sleep(tags: Tags, keep: bool = True) -> Dict[str, Dict[str, Any]]:
     arena is allocated once and reused: call :func:`reserve_host` up front, otherwise the first
     sleep pins it (about 0.5 s per GiB) and that cost shows in the first sleep.
 
-    Waits for all work in flight on the device before unmapping; copies run on the current
-    stream. Sleeping an asleep region does nothing. All or nothing: if one region fails, the
-    others this call put to sleep are woken again. Returns ``{tag: {"bytes", "seconds",
-    "gb_per_s", "storage"}}``.
+    Waits for all work in flight on the region's device before unmapping; copies run on the
+    current stream of the region's device (whatever device is current). Sleeping an asleep
+    region does nothing. All or nothing: an unbound region refuses the call (:class:`Unbound`)
+    before any region sleeps, and if one region fails while sleeping, the others this call put
+    to sleep are woken again. Returns ``{tag: {"bytes", "seconds", "gb_per_s", "storage"}}``.
     """
     names = _as_tags(tags)
-    _refuse_during_capture("sleep")
+    _refuse_during_capture("sleep", names)
     try:
         with _guard.REMAPS:  # never between another thread's check and launch
-            return _native.sleep(names, keep, _current_stream())
+            return _native.sleep(names, keep, _streams_of(names))
     finally:
         _warn_free_errors()
 
@@ -258,33 +336,34 @@ def wake(tags: Tags) -> Dict[str, Dict[str, Any]]:
     after it) stays asleep with its host copy: free memory and call ``wake`` again.
     """
     names = _as_tags(tags)
-    _refuse_during_capture("wake")
+    _refuse_during_capture("wake", names)
     with _guard.REMAPS:  # never between another thread's check and launch
-        return _native.wake(names, _current_stream())
+        return _native.wake(names, _streams_of(names))
 
 
 def snapshot(tag: str) -> WeightSet:
     """A new weight set of region ``tag``: a second backing of its used span holding the
-    region's current contents (one device allocation, one copy on the current stream).
+    region's current contents (one device allocation, one copy on the current stream of the
+    region's device).
 
     Fill it with :func:`writing` (e.g. ``model.load_state_dict(other)``) and swap it in with
     :func:`bind`. The first snapshot also folds the region's backing into one allocation, so
     every later bind is one mapping.
     """
-    _refuse_during_capture("snapshot")
+    _refuse_during_capture("snapshot", [tag])
     with _guard.REMAPS:  # never between another thread's check and launch
-        return _native.snapshot(tag, _current_stream())
+        return _native.snapshot(tag, _stream_of(tag))
 
 
 def bind(tag: str, weights: WeightSet) -> Optional[WeightSet]:
     """Put ``weights`` under region ``tag``'s addresses and return the weight set bound before.
 
     Every tensor and captured graph over the region reads the new weights from then on; nothing
-    is copied and nothing is re-captured. Waits for all work in flight on the device first
-    (never unmaps under a running kernel). Raises :class:`SnapshotMismatch` for a weight set of
-    another region, or when the region grew past the weight set (take a new snapshot).
+    is copied and nothing is re-captured. Waits for all work in flight on the region's device
+    first (never unmaps under a running kernel). Raises :class:`SnapshotMismatch` for a weight
+    set of another region, or when the region grew past the weight set (take a new snapshot).
     """
-    _refuse_during_capture("bind")
+    _refuse_during_capture("bind", [tag])
     with _guard.REMAPS:  # never between another thread's check and launch
         return _native.bind(tag, weights)
 
@@ -301,7 +380,8 @@ def switch(tag: str, weights: WeightSet, *, strategy: str = "auto") -> str:
       whatever the size. Writes to the region's tensors then land in ``weights``.
     - ``"copy"``: the region's own *live* weight set is put under its addresses (allocated and
       bound with one remap on the first copy switch, and bound again after a remap switch),
-      then ``weights``' bytes are copied into it on the current stream: no fence, a time
+      then ``weights``' bytes are copied into it on the current stream (of the region's
+      device): no fence, a time
       proportional to the region's used span (about 0.7 ms per GiB on an H100).
     - ``"auto"`` (default): copy when the device's cost model predicts a copy of the region's
       span to be cheaper than a remap (spans below :func:`crossover_bytes`, about 100 MiB on an
@@ -333,14 +413,14 @@ def switch(tag: str, weights: WeightSet, *, strategy: str = "auto") -> str:
     """
     if strategy not in _STRATEGIES:
         raise ValueError(f"strategy must be one of {_STRATEGIES}, not {strategy!r}")
-    _refuse_during_capture("switch")
+    _refuse_during_capture("switch", [tag])
     if not isinstance(weights, WeightSet):
         raise TypeError(
             "weights must be a stablebuf.WeightSet (from stablebuf.snapshot or stablebuf.bound), "
             f"not {type(weights).__name__}"
         )
     with _guard.REMAPS:  # never between another thread's check and launch
-        return _native.switch(tag, weights, strategy, _current_stream())
+        return _native.switch(tag, weights, strategy, _stream_of(tag))
 
 
 def crossover_bytes(device: Optional[int] = None) -> Optional[int]:
@@ -350,8 +430,7 @@ def crossover_bytes(device: Optional[int] = None) -> Optional[int]:
 
     It comes from the device's cost model, calibrated on first use in the process (timed
     remaps and device-to-device copies: tens of milliseconds and 1 GiB of device memory for
-    the duration), then kept. About 100 MiB on an H100. Regions of a process share one device:
-    asking about another device than theirs raises :class:`Error`. Raises
+    the duration), then kept, per device. About 100 MiB on an H100. Raises
     :class:`CaptureActive` during a capture on the current stream (calibrating would break it).
     """
     _refuse_during_capture("crossover_bytes")
@@ -368,7 +447,7 @@ def bound(tag: str) -> Optional[WeightSet]:
 def unbind(tag: str) -> None:
     """Unmap region ``tag``'s weight set (keep :func:`bound` first to bind it back). Graphs
     guarded by the tag raise :class:`Unbound` until the next :func:`bind`."""
-    _refuse_during_capture("unbind")
+    _refuse_during_capture("unbind", [tag])
     with _guard.REMAPS:
         _native.unbind(tag)
 
@@ -395,13 +474,15 @@ def writing(weights: WeightSet) -> Iterator[WeightSet]:
 
 
 def note_use(tags: Tags) -> None:
-    """Note that the work queued so far on the current stream used the regions ``tags``.
+    """Note that the work queued so far on the current stream (of each region's device) used
+    the regions ``tags``.
 
     Only regions made with ``fence="last-use"`` care: their binds, sleeps and frees wait for
     the last noted use on each stream (an event), not for the whole device. Guarded replays
     and :func:`writing` note their uses themselves; call this after eager work over such a
     region."""
-    _native.note_use(_as_tags(tags), _current_stream())
+    names = _as_tags(tags)
+    _native.note_use(names, _streams_of(names))
 
 
 def check(tags: Tags) -> None:
@@ -413,7 +494,8 @@ def check(tags: Tags) -> None:
 def reserve_host(nbytes: int) -> int:
     """Pin ``nbytes`` of host memory for sleeping regions now, once, and return the pinned
     capacity. Pinning is the slow part of a sleep (about 0.5 s per GiB); without this call the
-    first ``sleep(keep=True)`` pins what it needs."""
+    first ``sleep(keep=True)`` pins what it needs. One arena serves the regions of every
+    device (it is pinned portable)."""
     return _native.reserve_host(int(nbytes), _current_device())
 
 
@@ -426,7 +508,8 @@ def host_arena() -> Optional[Dict[str, Any]]:
 def stats() -> Dict[str, Dict[str, Any]]:
     """Per tag: ``reserved`` (virtual bytes), ``allocated`` (bytes PyTorch holds from the region),
     ``allocations``, ``span``, ``mapped`` (physical bytes now), ``mappings``, ``asleep``,
-    ``host_bytes`` (kept on the host while asleep), and from PyTorch's pool, where it can tell,
+    ``host_bytes`` (kept on the host while asleep), ``device`` (the CUDA device the region
+    lives on), and from PyTorch's pool, where it can tell,
     ``tensor_bytes`` (in live tensors) and ``cached`` (held by PyTorch's cache, free for
     tensors)."""
     out: Dict[str, Dict[str, Any]] = _native.stats()
@@ -483,9 +566,13 @@ def guard(graph: Any, tags: Optional[Tags] = None) -> GuardedGraph:
     :class:`Unbound` instead of faulting when a region it uses is asleep or unbound.
 
     ``tags`` are the regions the graph reads or writes; by default every region that exists
-    now (safe, but then sleeping any region blocks the replay). The tags are also recorded
-    as the graph's own (:func:`graph_tags`), so a replay of the unwrapped graph checks the same
+    now on the graph's device (the device its capture ran on, else the current one: safe,
+    but then sleeping any of them blocks the replay). The tags are also recorded as the
+    graph's own (:func:`graph_tags`), so a replay of the unwrapped graph checks the same
     regions."""
-    guarded = GuardedGraph(graph, _native.tags() if tags is None else tags)
+    if tags is None:
+        device = _guard.graph_device(graph)
+        tags = _tags_on(_current_device() if device is None else device)
+    guarded = GuardedGraph(graph, tags)
     _guard.set_graph_tags_if_possible(graph, guarded.tags)
     return guarded

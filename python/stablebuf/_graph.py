@@ -6,8 +6,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import _guard, _native
-from ._api import Tags, _as_tags
+from . import _guard
+from ._api import Tags, _as_tags, _current_device, _tags_on
 
 
 class CUDAGraph(torch.cuda.CUDAGraph):
@@ -17,9 +17,10 @@ class CUDAGraph(torch.cuda.CUDAGraph):
     nothing) while a region it guards is asleep or unbound, where a plain graph would hit an
     illegal-address fault that kills the CUDA context.
 
-    ``tags`` are the regions the graph uses. Left ``None``, the graph guards every region that
-    exists when its capture ends (safe, but then sleeping any region blocks this replay); set
-    them at construction or later with :meth:`guard`. Use it wherever a
+    ``tags`` are the regions the graph uses. Left ``None``, the graph guards every region of
+    its device (the one its capture ran on) that exists when its capture ends (safe, but then
+    sleeping any of them blocks this replay); set them at construction or later with
+    :meth:`guard`. Use it wherever a
     ``torch.cuda.CUDAGraph`` goes::
 
         g = stablebuf.CUDAGraph(tags=["weights", "kv"])
@@ -39,12 +40,17 @@ class CUDAGraph(torch.cuda.CUDAGraph):
         if tags is not None:
             _guard.graph_tags(self, tags)
 
+    def _device(self) -> int:
+        """The device the capture ran on (the current one before the capture ended)."""
+        device = _guard.graph_device(self)
+        return _current_device() if device is None else device
+
     @property
     def guarded_tags(self) -> Tuple[str, ...]:
         """The regions whose state ``replay()`` checks."""
         tags = _guard.graph_tags(self)
         if tags is None or self._guards_every_region:
-            return tuple(_native.tags())
+            return tuple(_tags_on(self._device()))
         return tags
 
     def guard(self, tags: Tags) -> "CUDAGraph":
@@ -54,11 +60,13 @@ class CUDAGraph(torch.cuda.CUDAGraph):
         return self
 
     def capture_end(self) -> None:
-        """End the capture; with no tags given, the graph now guards every existing region."""
+        """End the capture; with no tags given, the graph now guards every region of its
+        device."""
         super().capture_end()
         if self._guards_every_region:
             self._guards_every_region = False
-            _guard.graph_tags(self, _native.tags())
+            # The capture's device is current until torch.cuda.graph's block ends.
+            _guard.graph_tags(self, _tags_on(_current_device()))
 
     def replay(self) -> None:
         """Replay, or raise ``Asleep``/``Unbound`` without launching anything."""

@@ -5,10 +5,12 @@ is asleep or unbound, its kernels hit unmapped memory and the CUDA context dies 
 illegal-address fault. Once the first region exists, this module patches PyTorch so that no
 graph can do that:
 
-- ``torch.cuda.CUDAGraph.capture_end`` records which regions the graph may use: the regions
-  that hold allocations and are awake and bound when the capture ends (conservative), or, for
-  a graph recorded by ``torch.compile``'s CUDA graph trees, the regions its inputs and
-  constants live in (exact).
+- ``torch.cuda.CUDAGraph.capture_end`` records the graph's device (the one its capture ran
+  on) and which regions the graph may use: the regions of that device that hold allocations
+  and are awake and bound when the capture ends (conservative), or, for a graph recorded by
+  ``torch.compile``'s CUDA graph trees, the regions its inputs and constants live in (exact).
+  Regions of other devices are left out, so a region sleeping on one GPU never blocks the
+  graphs of another.
   :func:`graph_tags` narrows or overrides the set by hand.
 - ``torch.cuda.CUDAGraph.replay`` checks those regions and raises :class:`stablebuf.Asleep`
   / :class:`stablebuf.Unbound` before anything is launched.
@@ -75,13 +77,15 @@ _UNSET: Any = object()
 
 
 class _GraphTags:
-    """The regions one graph uses: recorded at capture end, and set by hand."""
+    """The regions one graph uses (recorded at capture end, and set by hand) and the device
+    its capture ran on (``None`` before the capture ends, or without CUDA)."""
 
-    __slots__ = ("captured", "explicit")
+    __slots__ = ("captured", "device", "explicit")
 
     def __init__(self) -> None:
         self.captured: Optional[Tuple[str, ...]] = None
         self.explicit: Optional[Tuple[str, ...]] = None
+        self.device: Optional[int] = None
 
     def effective(self) -> Optional[Tuple[str, ...]]:
         return self.explicit if self.explicit is not None else self.captured
@@ -135,14 +139,16 @@ def check(tags: Iterable[str]) -> None:
 
 
 def note_use(tags: Iterable[str]) -> None:
-    """Note that the work just queued on the current stream (a replay, a compiled call) used
-    the regions ``tags``: a ``fence="last-use"`` region's bind or sleep waits for it."""
+    """Note that the work just queued (a replay, a compiled call) on the current stream of
+    each region's device used the regions ``tags``: a ``fence="last-use"`` region's bind or
+    sleep waits for it. A graph replays on its capture device's current stream, the device of
+    the regions it uses."""
     names = list(tags)
     if not names:
         return
-    from ._api import _current_stream
+    from ._api import _streams_of
 
-    _native.note_use(names, _current_stream())
+    _native.note_use(names, _streams_of(names))
 
 
 def _record_of(graph: Any, create: bool) -> Optional[_GraphTags]:
@@ -176,9 +182,9 @@ def _record_of(graph: Any, create: bool) -> Optional[_GraphTags]:
 def graph_tags(graph: Any, tags: Any = _UNSET) -> Optional[Tuple[str, ...]]:
     """The regions whose state a replay of ``graph`` checks; with ``tags``, set them first.
 
-    By default a ``torch.cuda.CUDAGraph`` guards the regions that held allocations and were
-    awake and bound when its capture ended (``torch.compile``'s graphs: the regions of their
-    inputs and constants).
+    By default a ``torch.cuda.CUDAGraph`` guards the regions of its device that held
+    allocations and were awake and bound when its capture ended (``torch.compile``'s graphs:
+    the regions of their inputs and constants).
     ``graph_tags(g, ["weights"])`` narrows that to the regions the graph really reads, so that
     sleeping another region does not block it; ``graph_tags(g, None)`` drops the override and
     goes back to what the capture recorded. Returns the set now in force (``None``: the graph
@@ -196,6 +202,30 @@ def graph_tags(graph: Any, tags: Any = _UNSET) -> Optional[Tuple[str, ...]]:
 
         record.explicit = tuple(_as_tags(tags))
     return record.effective()
+
+
+def graph_device(graph: Any) -> Optional[int]:
+    """The CUDA device ``graph``'s capture ran on, as recorded when it ended (``None`` if the
+    guard saw no capture of it)."""
+    try:
+        record = _record_of(graph, create=False)
+    except TypeError:
+        return None
+    return None if record is None else record.device
+
+
+def _capture_device() -> Optional[int]:
+    """The device of a capture ending now: PyTorch's current device (``torch.cuda.graph``
+    makes the capture stream's device current for the whole capture); ``None`` without CUDA."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        if not torch.cuda.is_initialized():
+            return None
+        return int(torch.cuda.current_device())
+    except Exception:  # noqa: BLE001 - a stand-in or CPU-only torch: no device to record
+        return None
 
 
 def set_graph_tags_if_possible(graph: Any, tags: Iterable[str]) -> None:
@@ -253,16 +283,20 @@ def tags_of_tensors(values: Iterable[Any]) -> Tuple[str, ...]:
     return tuple(sorted(found))
 
 
-def _tags_a_capture_may_use() -> Tuple[str, ...]:
-    """The regions a graph captured just now may read: those holding memory and readable now.
+def _tags_a_capture_may_use(device: Optional[int]) -> Tuple[str, ...]:
+    """The regions a graph captured just now on ``device`` may read: those of that device
+    (of every device where it is unknown) holding memory and readable now.
 
     A region asleep or unbound when the capture ends is left out: a graph over it could not
     have been warmed up (the usual run before a capture), and guarding it would refuse every
-    replay of, say, another library's graph captured while stablebuf's regions sleep.
+    replay of, say, another library's graph captured while stablebuf's regions sleep. A
+    region of another device is left out too: a graph's kernels run on its own device.
     """
     found = []
     for tag, entry in _native.stats().items():
         if not entry.get("allocations", 0):
+            continue
+        if device is not None and entry.get("device") != device:
             continue
         try:
             _native.check_replayable([tag])
@@ -308,9 +342,12 @@ def patch_graph_class(graph_class: Any) -> bool:
                 )
                 return
             assert record is not None
+            record.device = _capture_device()
             # A graph recorded inside a checked tree call uses that call's regions; any other
-            # graph may use every region that holds memory and is readable now.
-            record.captured = inside if inside is not None else _tags_a_capture_may_use()
+            # graph may use every region of its device that holds memory and is readable now.
+            record.captured = (
+                inside if inside is not None else _tags_a_capture_may_use(record.device)
+            )
 
         graph_class.capture_end = _mark(capture_end, original_capture_end)
 

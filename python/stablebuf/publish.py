@@ -115,9 +115,10 @@ class Engine:
                     dtype_name(t.dtype),
                 )
             )
-        torch.cuda.current_stream().synchronize()
+        # The region's device, whichever is current: its stream orders the snapshots' copies.
+        torch.cuda.current_stream(_api._device_of(tag)).synchronize()
         self._sets: List[WeightSet] = [
-            _native.snapshot_shareable(tag, _api._current_stream()) for _ in range(sets)
+            _native.snapshot_shareable(tag, _api._stream_of(tag)) for _ in range(sets)
         ]
         self.manifest = Manifest.build(tag, self._sets[0].nbytes, sets, entries)
         self._by_id = {ws.id: ws for ws in self._sets}

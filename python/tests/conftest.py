@@ -37,6 +37,22 @@ def _gpu_skip_reason() -> str | None:
 GPU_SKIP_REASON = _gpu_skip_reason()
 
 
+@pytest.fixture(autouse=True)
+def _current_cuda_device_kept():
+    """Put PyTorch's current CUDA device back after each test, so that a test that switches
+    devices (the two-GPU ones) cannot move the tests after it to another GPU. Before torch has
+    initialised CUDA the current device is device 0; the fixture does not initialise it."""
+    if GPU_SKIP_REASON is not None:
+        yield
+        return
+    import torch
+
+    before = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
+    yield
+    if torch.cuda.is_initialized() and torch.cuda.current_device() != before:
+        torch.cuda.set_device(before)
+
+
 def pytest_collection_modifyitems(config, items):
     if GPU_SKIP_REASON is None:
         return

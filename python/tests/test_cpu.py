@@ -42,6 +42,7 @@ def test_exceptions_form_one_hierarchy_under_error():
         stablebuf.Unbound,
         stablebuf.UnknownTag,
         stablebuf.SnapshotMismatch,
+        stablebuf.DeviceMismatch,
     ):
         assert issubclass(cls, stablebuf.Error)
         assert cls.__module__ == "stablebuf"

@@ -6,6 +6,7 @@ run on a CPU-only torch."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import sys
 import threading
@@ -76,7 +77,10 @@ def test_capture_end_records_the_regions_holding_memory_and_replay_checks_them()
     graph.capture_end()
     assert _delta(before, "captures") == 1
     holding = []
+    device = _guard._capture_device()  # None without CUDA: then every device's regions
     for tag, entry in stablebuf._native.stats().items():
+        if device is not None and entry["device"] != device:
+            continue  # a graph of this device uses no region of another
         try:
             stablebuf.check(tag)
         except stablebuf.Error:
@@ -269,6 +273,95 @@ def test_without_a_capture_the_same_calls_reach_the_tag_check(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", fake)
     with pytest.raises(stablebuf.UnknownTag):
         stablebuf.unbind("no-such-tag")
+
+
+class _TwoDeviceTorch(types.ModuleType):
+    """A stand-in ``torch`` with two CUDA devices: ``torch.cuda.device(i)`` switches the
+    current one, each device's current stream has handle ``1000 + i``, and the current stream
+    of device ``capturing_on`` (if any) is capturing."""
+
+    def __init__(self, capturing_on=None):
+        super().__init__("torch")
+        current = [0]
+
+        @contextlib.contextmanager
+        def device(index):
+            before, current[0] = current[0], index
+            try:
+                yield
+            finally:
+                current[0] = before
+
+        def current_stream(index=None):
+            return types.SimpleNamespace(
+                cuda_stream=1000 + (current[0] if index is None else index)
+            )
+
+        self.cuda = types.SimpleNamespace(
+            is_initialized=lambda: True,
+            current_device=lambda: current[0],
+            device=device,
+            current_stream=current_stream,
+            is_current_stream_capturing=lambda: current[0] == capturing_on,
+        )
+
+
+@pytest.fixture
+def two_devices(monkeypatch):
+    """Tags ``on_zero`` and ``on_one`` as if their regions lived on devices 0 and 1 (the
+    device cache the package keeps; no region exists), under a two-device stand-in torch."""
+    monkeypatch.setitem(stablebuf._api._TAG_DEVICES, "on_zero", 0)
+    monkeypatch.setitem(stablebuf._api._TAG_DEVICES, "on_one", 1)
+
+    def install(capturing_on=None):
+        fake = _TwoDeviceTorch(capturing_on)
+        monkeypatch.setitem(sys.modules, "torch", fake)
+        return fake
+
+    return install
+
+
+def test_each_region_gets_the_current_stream_of_its_own_device(two_devices):
+    two_devices()
+    assert stablebuf._api._stream_of("on_one") == 1001, "device 1's stream with device 0 current"
+    streams = stablebuf._api._streams_of(["on_one", "on_zero", "on_one", "no-such-tag"])
+    assert streams == {1: 1001, 0: 1000}, "one stream per device; unknown tags left to the call"
+
+
+def test_a_capture_on_the_regions_device_refuses_even_while_another_device_is_current(
+    two_devices,
+):
+    fake = two_devices(capturing_on=1)
+    with pytest.raises(stablebuf.CaptureActive, match="capture"):
+        stablebuf.unbind("on_one")
+    assert fake.cuda.current_device() == 0, "the check put the current device back"
+    with pytest.raises(stablebuf.UnknownTag):  # device 0 is not capturing: reaches the tag check
+        stablebuf.unbind("on_zero")
+    two_devices(capturing_on=None)
+    with pytest.raises(stablebuf.UnknownTag):
+        stablebuf.sleep(["on_zero", "on_one"])
+
+
+def test_a_capture_records_its_device_and_a_guard_defaults_to_that_devices_regions(two_devices):
+    fake = two_devices()
+    cls = _stand_in_graph_class([])
+    _guard.patch_graph_class(cls)
+    graph = cls()
+    assert _guard.graph_device(graph) is None, "no capture ended yet"
+    with fake.cuda.device(1):
+        graph.capture_end()
+    assert _guard.graph_device(graph) == 1
+    on_one = tuple(t for t, e in stablebuf.stats().items() if e["device"] == 1)
+    readable = []
+    for tag in on_one:
+        try:
+            stablebuf.check(tag)
+        except stablebuf.Error:
+            continue  # asleep or unbound at capture end: left out
+        if stablebuf.stats()[tag]["allocations"]:
+            readable.append(tag)
+    assert stablebuf.graph_tags(graph) == tuple(readable), "the capture's device's regions only"
+    assert stablebuf.guard(graph).tags == on_one, "guard() defaults to the graph's device"
 
 
 def test_guard_module_needs_a_torch_module():

@@ -525,6 +525,7 @@ def _gpu_count() -> int:
 def test_a_trainer_on_gpu0_publishes_into_an_engine_on_gpu1_over_peer_access(torch, peer):
     if not torch.cuda.can_device_access_peer(0, 1):
         pytest.skip("GPU 0 cannot access GPU 1 (no peer access)")
+    previous = torch.cuda.current_device()
     path = _socket_path("two-gpus")
     engine = Peer("engine", path, "1", "8,9")
     try:
@@ -532,6 +533,7 @@ def test_a_trainer_on_gpu0_publishes_into_an_engine_on_gpu1_over_peer_access(tor
         trainer = stablebuf.publish.Trainer.connect(
             path, expect=peer.expected(), device=1, access=[1, 0]
         )
+        assert torch.cuda.current_device() == previous, "importing on GPU 1 moved the device"
         with torch.cuda.device(0):
             new = {n: v.to("cuda:0") for n, v in peer.weights(8).items()}
             torch.cuda.synchronize(0)
@@ -552,5 +554,8 @@ def test_a_trainer_on_gpu0_publishes_into_an_engine_on_gpu1_over_peer_access(tor
         plain_s = time.perf_counter() - start
         print(f"two GPUs: publish {publish_s * 1e3:.3f} ms, plain peer copy {plain_s * 1e3:.3f} ms")
         trainer.close()
+        assert torch.cuda.current_device() == previous, "publishing moved the current device"
     finally:
         engine.kill() if engine.proc.poll() is None else None
+        # The tests after this one run on the device they expect, whatever failed above.
+        torch.cuda.set_device(previous)

@@ -1,15 +1,21 @@
 """Seeded random sequences over the Python API, each step checked against a model.
 
 Two regions take a random sequence of: tensor allocations by PyTorch inside ``region()``,
-frees, eager writes and reads (only where the model says the memory is there), snapshots,
-binds and switches by copy, remap or auto (also of another region's weight set; a copy switch
-fills the region's own live set, which the model tracks), unbinds, sleeps with the contents kept or
-discarded, wakes, replays of a hand-captured graph and calls of a ``torch.compile``
+frees (also while asleep), eager writes and reads (only where the model says the memory is
+there), snapshots, binds and switches by copy, remap or auto (also of another region's weight
+set, and while asleep; a copy switch fills the region's own live set, which the model tracks),
+unbinds, sleeps with the contents kept (in the pinned arena, or streamed through it into
+pageable memory when it is full; the API offers no other choice) or discarded, of one region
+or of both in one call (all or nothing: an unbound region refuses it before anything sleeps),
+wakes of one or both, pinning the host arena up front (refused while sleeping regions hold a
+smaller one), replays of a hand-captured graph and calls of a ``torch.compile``
 (``mode="reduce-overhead"``) function over a region tensor. Before each step the model says
-what must happen: the typed exception (``Asleep``, ``Unbound``, ``SnapshotMismatch``) or
-success, and, on success, every byte the step can observe. Every 100 steps the device's free
-memory is checked against the model's physical memory (no drift). A second test runs a replay
-thread beside a bind thread.
+what must happen: the typed exception (``Asleep``, ``Unbound``, ``SnapshotMismatch``, ``Error``)
+or success, and, on success, every byte the step can observe: every live tensor whose contents
+the model knows is compared after every wake, bind and switch, and at the end, where every
+weight set still held is bound and compared too. Every 100 steps the device's free memory is
+checked against the model's physical memory (no drift). A second test runs a replay thread
+beside a bind thread.
 
 ``STABLEBUF_SEED`` replays a run, ``STABLEBUF_STEPS`` sets its length (2,000 by default).
 GPU tests: they skip (with the reason) without torch or a CUDA device.
@@ -35,6 +41,9 @@ SIZES_MIB = (1, 2, 3, 5, 8)
 MAX_TENSORS = 10
 MAX_HELD_SETS = 3
 DRIFT_LIMIT = 64 * MiB
+# Sizes asked of reserve_host: below, at and above what two sleeping regions hold.
+RESERVE_MIB = (16, 64, 160, 320)
+STAGED = "pageable (staged through the pinned arena)"
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +110,33 @@ class RegionModel:
             return stablebuf.Unbound
         return None
 
+    def verify(self, what: str) -> None:
+        """Every live tensor holds what the model says it must (where the model knows)."""
+        assert self.usable(), f"{self.tag}: {what}: verified while asleep or unbound"
+        self.torch.cuda.synchronize()
+        for tensor_id, values in self.live().items():
+            if values is not None:
+                got = self.tensors[tensor_id].cpu()
+                assert self.torch.equal(got, values), f"{self.tag}: {what}: tensor {tensor_id}"
+
+    def bindable(self, weight_set) -> bool:
+        """Whether a bind or switch of one of this region's sets may succeed now (no pieces
+        past the consolidated span, and the set covers the span)."""
+        stats = stablebuf.stats()[self.tag]
+        return self.pieces() == 0 and weight_set.nbytes >= stats["span"]
+
+    def slept(self, keep: bool) -> None:
+        """The model of a sleep of this awake region."""
+        self.asleep, self.kept = True, keep
+        self.live_set = None
+
+    def woken(self) -> None:
+        """The model of a wake of this sleeping region, then the check of its contents."""
+        self.asleep = False
+        self.follow_bound(carried=self.kept)
+        if not self.unbound:
+            self.verify("after the wake")
+
     def write(self, tensor_id: int) -> None:
         tensor = self.tensors[tensor_id]
         values = self.random_values(tensor.numel())
@@ -149,7 +185,7 @@ def step(torch, rng: random.Random, regions: Dict[str, RegionModel], compiled, l
     ops = [
         "alloc", "free", "write", "read", "snapshot", "bind", "bind", "foreign_bind",
         "switch", "switch", "foreign_switch", "unbind", "sleep", "wake", "wake", "replay",
-        "replay", "compiled", "drop_set",
+        "replay", "compiled", "drop_set", "sleep_all", "wake_all", "reserve_host",
     ]
     op = rng.choice(ops)
     log.append(f"{model.tag}: {op}")
@@ -168,7 +204,10 @@ def step(torch, rng: random.Random, regions: Dict[str, RegionModel], compiled, l
         if tensor is not None:
             model.write(model._add(tensor))
     elif op == "free":
+        # Also while asleep: PyTorch keeps the block for the next allocation in the region.
         candidates = [i for i in model.tensors if i != model.probe_id]
+        if model.asleep:
+            log[-1] += " (asleep)"
         if candidates:
             victim = rng.choice(candidates)
             del model.tensors[victim]
@@ -180,14 +219,12 @@ def step(torch, rng: random.Random, regions: Dict[str, RegionModel], compiled, l
             model.write(rng.choice(list(model.tensors)))
     elif op == "read":
         if model.usable():
-            torch.cuda.synchronize()
-            for tensor_id, values in model.live().items():
-                if values is not None:
-                    got = model.tensors[tensor_id].cpu()
-                    assert torch.equal(got, values), f"{tag}: tensor {tensor_id} differs"
+            model.verify("a read")
     elif op == "snapshot":
         if len(model.held) >= MAX_HELD_SETS:
             return
+        if model.asleep:
+            log[-1] += " (asleep)"
         weight_set = run(model.expected_gate(), lambda: stablebuf.snapshot(tag))
         if weight_set is not None:
             model.follow_bound(carried=True)
@@ -200,22 +237,24 @@ def step(torch, rng: random.Random, regions: Dict[str, RegionModel], compiled, l
         if not source.held:
             return
         weight_set = rng.choice(source.held)
-        stats = stablebuf.stats()[tag]
         if source is not model:
             expected = stablebuf.SnapshotMismatch
         elif model.asleep:
             expected = stablebuf.Asleep
         elif stablebuf.bound(tag) == weight_set:
             expected = None
-        elif model.pieces() > 0 or weight_set.nbytes < stats["span"]:
+        elif not model.bindable(weight_set):
             expected = stablebuf.SnapshotMismatch
         else:
             expected = None
+        if model.asleep:
+            log[-1] += " (asleep)"
         before = stablebuf.bound(tag)
         run(expected, lambda: stablebuf.bind(tag, weight_set))
         if expected is None:
             model.key = weight_set.id
             model.unbound = False
+            model.verify("after the bind")
         else:
             assert stablebuf.bound(tag) == before, f"{tag}: a refused bind changed the binding"
     elif op in ("switch", "foreign_switch"):
@@ -224,8 +263,7 @@ def step(torch, rng: random.Random, regions: Dict[str, RegionModel], compiled, l
             return
         weight_set = rng.choice(source.held)
         strategy = rng.choice(("auto", "copy", "remap"))
-        log[-1] += f" ({strategy})"
-        stats = stablebuf.stats()[tag]
+        log[-1] += f" ({strategy}{', asleep' if model.asleep else ''})"
         before = stablebuf.bound(tag)
         if source is not model:
             expected = stablebuf.SnapshotMismatch
@@ -233,7 +271,7 @@ def step(torch, rng: random.Random, regions: Dict[str, RegionModel], compiled, l
             expected = stablebuf.Asleep
         elif before == weight_set:
             expected = None
-        elif model.pieces() > 0 or weight_set.nbytes < stats["span"]:
+        elif not model.bindable(weight_set):
             expected = stablebuf.SnapshotMismatch
         else:
             expected = None
@@ -257,6 +295,7 @@ def step(torch, rng: random.Random, regions: Dict[str, RegionModel], compiled, l
             model.live_set = (bound.id, bound.nbytes)
         del bound  # no handle to the live set may outlive the step
         model.unbound = False
+        model.verify(f"after a {way} switch")
     elif op == "unbind":
         if model.asleep:
             expected = stablebuf.Asleep
@@ -268,27 +307,47 @@ def step(torch, rng: random.Random, regions: Dict[str, RegionModel], compiled, l
         if expected is None:
             model.unbound = True
             model.live_set = None
-    elif op == "sleep":
+    elif op in ("sleep", "sleep_all"):
         keep = rng.random() < 0.6
-        if model.asleep:
-            expected = None  # sleeping a sleeping region does nothing
-        elif model.unbound:
-            expected = stablebuf.Unbound
+        group = [model] if op == "sleep" else [regions[t] for t in rng.sample(TAGS, len(TAGS))]
+        # Sleeping a sleeping region does nothing; an awake unbound one refuses the whole call
+        # before anything sleeps (so nothing is discarded by a call that fails).
+        refused = any(m.unbound and not m.asleep for m in group)
+        expected = stablebuf.Unbound if refused else None
+        newly = [m for m in group if not m.asleep]
+        log[-1] += f" ({'keep' if keep else 'discard'}: {', '.join(m.tag for m in group)})"
+        report = run(expected, lambda: stablebuf.sleep([m.tag for m in group], keep=keep))
+        if report is not None:
+            for m in newly:
+                storage = report[m.tag]["storage"]
+                if keep:
+                    assert storage in ("pinned", STAGED), f"{m.tag}: kept in {storage}"
+                    log[-1] += f" [{m.tag} {storage.split(' ')[0]}]"
+                else:
+                    assert storage == "discarded", f"{m.tag}: discarded into {storage}"
+                m.slept(keep)
+        for m in group:
+            assert stablebuf.stats()[m.tag]["asleep"] == m.asleep, f"{m.tag}: asleep"
+    elif op in ("wake", "wake_all"):
+        group = [model] if op == "wake" else [regions[t] for t in rng.sample(TAGS, len(TAGS))]
+        sleeping = [m for m in group if m.asleep]
+        stablebuf.wake([m.tag for m in group])
+        for m in group:
+            assert stablebuf.stats()[m.tag]["asleep"] is False, f"{m.tag}: still asleep"
+        for m in sleeping:
+            m.woken()
+    elif op == "reserve_host":
+        nbytes = rng.choice(RESERVE_MIB) * MiB
+        arena = stablebuf.host_arena()
+        log[-1] += f" ({nbytes // MiB} MiB)"
+        if arena is not None and arena["capacity"] >= nbytes:
+            assert stablebuf.reserve_host(nbytes) == arena["capacity"], "a big enough arena stays"
+        elif arena is not None and arena["free"] != arena["capacity"]:
+            with pytest.raises(stablebuf.Error, match="wake them first"):
+                stablebuf.reserve_host(nbytes)
+            assert stablebuf.host_arena() == arena, "a refused pin changed the arena"
         else:
-            expected = None
-        was_asleep = model.asleep
-        run(expected, lambda: stablebuf.sleep(tag, keep=keep))
-        if expected is None and not was_asleep:
-            model.asleep, model.kept = True, keep
-            model.live_set = None
-        assert stablebuf.stats()[tag]["asleep"] == model.asleep
-    elif op == "wake":
-        was_asleep = model.asleep
-        stablebuf.wake(tag)
-        if was_asleep:
-            model.asleep = False
-            model.follow_bound(carried=model.kept)
-        assert stablebuf.stats()[tag]["asleep"] is False
+            assert stablebuf.reserve_host(nbytes) >= nbytes
     elif op == "replay":
         model.out.fill_(float("nan"))
         expected = model.expected_gate()
@@ -316,7 +375,41 @@ def step(torch, rng: random.Random, regions: Dict[str, RegionModel], compiled, l
         if candidates:
             victim = rng.choice(candidates)
             model.held.remove(victim)
-            model.contents.pop(victim.id, None)
+            # The contents the region reads now stay known while it is unbound over them.
+            if victim.id != model.key:
+                model.contents.pop(victim.id, None)
+
+
+def operation_counts(log: List[str]) -> Dict[str, int]:
+    """How often each operation ran (``(asleep)``: on a sleeping region), and how many kept
+    sleeps went to the pinned arena and how many were streamed into pageable memory."""
+    counts: Dict[str, int] = {}
+    for entry in log:
+        text = entry.split(": ", 1)[1]
+        name = text.split(" ")[0] + (" (asleep)" if "asleep" in text else "")
+        counts[name] = counts.get(name, 0) + 1
+        for storage in ("pinned", "pageable"):
+            found = text.count(f" {storage}]")
+            if found:
+                counts[f"kept {storage}"] = counts.get(f"kept {storage}", 0) + found
+    return dict(sorted(counts.items()))
+
+
+def final_check(model: RegionModel) -> None:
+    """Wakes the region, compares its live tensors, then binds every weight set it still holds
+    that can be bound and compares the tensors with what the model says that set holds. Leaves
+    the region awake, and bound unless it was unbound with no set to bind."""
+    if model.asleep:
+        stablebuf.wake(model.tag)
+        model.woken()
+    elif not model.unbound:
+        model.verify("at the end")
+    for weight_set in list(model.held):
+        if model.bindable(weight_set) or stablebuf.bound(model.tag) == weight_set:
+            stablebuf.bind(model.tag, weight_set)
+            model.key = weight_set.id
+            model.unbound = False
+            model.verify(f"weight set {weight_set.id} at the end")
 
 
 def test_a_random_sequence_matches_the_model_with_no_memory_drift(torch):
@@ -354,17 +447,14 @@ def test_a_random_sequence_matches_the_model_with_no_memory_drift(torch):
                 f"step {index} (seed {seed}): device memory drifted {drift / MiB:.1f} MiB from "
                 f"the model; last steps {log[-10:]}"
             )
-    for model in regions.values():  # leave the regions awake and bound for other tests
-        stablebuf.wake(model.tag)
-        if model.unbound and model.held:
-            try:
-                stablebuf.bind(model.tag, model.held[0])
-            except stablebuf.SnapshotMismatch:
-                stablebuf.bind(model.tag, stablebuf.snapshot(model.tag))
-    counts: Dict[str, int] = {}
-    for entry in log:
-        counts[entry.split(": ")[1]] = counts.get(entry.split(": ")[1], 0) + 1
-    print(f"test_random: {steps} steps checked, operations {dict(sorted(counts.items()))}")
+    try:
+        for model in regions.values():
+            final_check(model)
+    except AssertionError as error:
+        raise AssertionError(
+            f"at the end (seed {seed}): {error}; last steps {log[-10:]}"
+        ) from error
+    print(f"test_random: {steps} steps checked, operations {operation_counts(log)}")
 
 
 def test_a_replay_thread_beside_a_bind_thread_always_sees_one_whole_weight_set(torch):
