@@ -4,12 +4,21 @@
 # manylinux glibc baseline) come from PyPI into .tools/wheel, and the core crate's kernels are
 # compiled by NVRTC from PyPI (scripts/nvrtc-env), else taken from the committed PTX.
 #
-#   python/build-wheel.sh [OUT_DIR]      (default: python/dist)
+#   python/build-wheel.sh [--dev] [OUT_DIR]      (default: python/dist)
+#
+# --dev: a wheel for this machine only, for the CPU tests (python/test-cpu.sh --dev): the dev
+# profile into target/debug, where `cargo test` already compiled its dependencies, tagged
+# linux_x86_64 (no zig, no manylinux baseline). What ships is the default: release, manylinux.
 #
 # The last line printed is `wheel: <path>`.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(dirname "$here")"
+dev=false
+if [ "${1:-}" = --dev ]; then
+  dev=true
+  shift
+fi
 out="${1:-$here/dist}"
 mkdir -p "$out"
 out="$(cd "$out" && pwd)"
@@ -29,9 +38,15 @@ fi
 export PATH="$tools/bin:$PATH"
 
 rm -f "$out"/stablebuf-*.whl
-(cd "$root" && maturin build --release --manifest-path python/Cargo.toml \
-  --zig --compatibility manylinux_2_28 --out "$out")
-wheel="$(ls "$out"/stablebuf-*-cp39-abi3-manylinux_2_28_x86_64.whl)"
+if $dev; then
+  (cd "$root" && maturin build --profile dev --manifest-path python/Cargo.toml \
+    --compatibility linux --out "$out")
+  wheel="$(ls "$out"/stablebuf-*-cp39-abi3-linux_x86_64.whl)"
+else
+  (cd "$root" && maturin build --release --manifest-path python/Cargo.toml \
+    --zig --compatibility manylinux_2_28 --out "$out")
+  wheel="$(ls "$out"/stablebuf-*-cp39-abi3-manylinux_2_28_x86_64.whl)"
+fi
 # The wheel must carry the extension, the pure-Python package, the stub and py.typed.
 python3 - "$wheel" <<'PY'
 import sys, zipfile

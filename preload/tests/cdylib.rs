@@ -20,6 +20,13 @@ fn library() -> PathBuf {
             .parent()
             .and_then(Path::parent)
             .expect("target/<profile>");
+        // `cargo test` builds the cdylib beside its tests in deps/ (it uplifts it to the
+        // profile folder only on `cargo build`); take either before building it again, since a
+        // build of the preload crate alone resolves other features and recompiles the tree.
+        let built_by_this_test_run = profile_dir.join("deps").join("libstablebuf_preload.so");
+        if built_by_this_test_run.exists() {
+            return built_by_this_test_run;
+        }
         let path = profile_dir.join("libstablebuf_preload.so");
         if !path.exists() {
             let mut build = Command::new(env!("CARGO"));
