@@ -51,7 +51,7 @@ fi
 python3 - "$wheel" <<'PY'
 import sys, zipfile
 names = set(zipfile.ZipFile(sys.argv[1]).namelist())
-need = ["stablebuf/__init__.py", "stablebuf/_api.py", "stablebuf/_graph.py",
+need = ["stablebuf/__init__.py", "stablebuf/_regions.py", "stablebuf/_graph.py",
         "stablebuf/_guard.py", "stablebuf/_native.abi3.so", "stablebuf/_native.pyi",
         "stablebuf/py.typed"]
 missing = [n for n in need if n not in names]

@@ -45,31 +45,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._api import (
-    CaptureActive,
-    GuardedGraph,
-    bind,
-    bound,
-    check,
-    crossover_bytes,
-    guard,
-    host_arena,
-    library_path,
-    note_use,
-    pool,
-    region,
-    reserve_host,
-    sleep,
-    snapshot,
-    stats,
-    switch,
-    tags,
-    timeline,
-    unbind,
-    wake,
-    writing,
-)
+from ._capture import CaptureActive
 from ._guard import graph_tags, guard_module, guard_stats
+from ._manual_guard import GuardedGraph, check, guard, note_use
 from ._native import (
     Asleep,
     DeviceMismatch,
@@ -88,6 +66,9 @@ from ._native import (
     __version__,
     driver_present,
 )
+from ._regions import library_path, pool, region, stats, tags, timeline
+from ._sleep import host_arena, reserve_host, sleep, wake
+from ._weights import bind, bound, crossover_bytes, snapshot, switch, unbind, writing
 from . import publish  # noqa: E402  (weight publishing between processes; imports no torch)
 
 if TYPE_CHECKING:  # pragma: no cover

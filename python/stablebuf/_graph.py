@@ -7,7 +7,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import _guard
-from ._api import Tags, _as_tags, _current_device, _tags_on
+from ._devices import Tags, as_tags, current_device, tags_on
 
 
 class CUDAGraph(torch.cuda.CUDAGraph):
@@ -43,20 +43,20 @@ class CUDAGraph(torch.cuda.CUDAGraph):
     def _device(self) -> int:
         """The device the capture ran on (the current one before the capture ended)."""
         device = _guard.graph_device(self)
-        return _current_device() if device is None else device
+        return current_device() if device is None else device
 
     @property
     def guarded_tags(self) -> Tuple[str, ...]:
         """The regions whose state ``replay()`` checks."""
         tags = _guard.graph_tags(self)
         if tags is None or self._guards_every_region:
-            return tuple(_tags_on(self._device()))
+            return tuple(tags_on(self._device()))
         return tags
 
     def guard(self, tags: Tags) -> "CUDAGraph":
         """Set the regions this graph uses (replacing the previous set); returns the graph."""
         self._guards_every_region = False
-        _guard.graph_tags(self, _as_tags(tags))
+        _guard.graph_tags(self, as_tags(tags))
         return self
 
     def capture_end(self) -> None:
@@ -66,7 +66,7 @@ class CUDAGraph(torch.cuda.CUDAGraph):
         if self._guards_every_region:
             self._guards_every_region = False
             # The capture's device is current until torch.cuda.graph's block ends.
-            _guard.graph_tags(self, _tags_on(_current_device()))
+            _guard.graph_tags(self, tags_on(current_device()))
 
     def replay(self) -> None:
         """Replay, or raise ``Asleep``/``Unbound`` without launching anything."""

@@ -38,6 +38,7 @@ import weakref
 from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 from . import _native
+from ._devices import as_tags, streams_of
 
 TREES_MODULE = "torch._inductor.cudagraph_trees"
 
@@ -146,9 +147,7 @@ def note_use(tags: Iterable[str]) -> None:
     names = list(tags)
     if not names:
         return
-    from ._api import _streams_of
-
-    _native.note_use(names, _streams_of(names))
+    _native.note_use(names, streams_of(names))
 
 
 def _record_of(graph: Any, create: bool) -> Optional[_GraphTags]:
@@ -198,9 +197,7 @@ def graph_tags(graph: Any, tags: Any = _UNSET) -> Optional[Tuple[str, ...]]:
     if tags is None:
         record.explicit = None
     else:
-        from ._api import _as_tags
-
-        record.explicit = tuple(_as_tags(tags))
+        record.explicit = tuple(as_tags(tags))
     return record.effective()
 
 
@@ -482,9 +479,7 @@ def guard_module(module: Any, tags: Any = None) -> Any:
                 "create them inside `with stablebuf.region(tag):` or pass tags="
             )
     else:
-        from ._api import _as_tags
-
-        names = tuple(_as_tags(tags))
+        names = tuple(as_tags(tags))
     is_compiling = torch.compiler.is_compiling
 
     def check_regions_before_forward(_module: Any, _args: Any) -> None:

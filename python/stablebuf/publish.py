@@ -34,7 +34,8 @@ import contextlib
 import time
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence
 
-from . import _api, _guard, _native
+from . import _guard, _native, _sleep
+from ._devices import cuda_torch, device_of, stream_of
 from ._manifest import Entry, Manifest, VersionBook, dtype_name
 from ._native import (
     OfferMismatch,
@@ -95,7 +96,7 @@ class Engine:
             raise ValueError(
                 f"sets={sets}: at least 2 (the trainer writes one, the engine serves one)"
             )
-        torch = _api._torch()
+        torch = cuda_torch()
         self.tag = tag
         base = _native.region_base(tag)
         named = _tensors_of(tensors)
@@ -116,9 +117,9 @@ class Engine:
                 )
             )
         # The region's device, whichever is current: its stream orders the snapshots' copies.
-        torch.cuda.current_stream(_api._device_of(tag)).synchronize()
+        torch.cuda.current_stream(device_of(tag)).synchronize()
         self._sets: List[WeightSet] = [
-            _native.snapshot_shareable(tag, _api._stream_of(tag)) for _ in range(sets)
+            _native.snapshot_shareable(tag, stream_of(tag)) for _ in range(sets)
         ]
         self.manifest = Manifest.build(tag, self._sets[0].nbytes, sets, entries)
         self._by_id = {ws.id: ws for ws in self._sets}
@@ -281,7 +282,7 @@ class Engine:
     def sleep(self) -> None:
         """Releases the region's memory (discarding it) while the trainer trains; the spare
         sets stay resident for the trainer to write."""
-        _api.sleep(self.tag, keep=False)
+        _sleep.sleep(self.tag, keep=False)
         self._asleep = True
 
     def wake(self) -> int:
@@ -303,7 +304,7 @@ class Engine:
             with _guard.REMAPS:
                 _native.wake_onto(self.tag, self._by_id[self._bound_id])
         else:
-            _api.wake(self.tag)  # the region's own backing: its contents were discarded
+            _sleep.wake(self.tag)  # the region's own backing: its contents were discarded
         self._asleep = False
         return self._bound_version
 
@@ -354,7 +355,7 @@ class Trainer:
         ``expect`` (name → tensor or ``(shape, dtype)``): raise :class:`OfferMismatch` naming
         the first difference in names or shapes (and dtypes with ``check_dtypes``) before
         anything is imported."""
-        torch = _api._torch()
+        torch = cuda_torch()
         if device is None:
             device = torch.cuda.current_device()
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -310,8 +310,8 @@ class _TwoDeviceTorch(types.ModuleType):
 def two_devices(monkeypatch):
     """Tags ``on_zero`` and ``on_one`` as if their regions lived on devices 0 and 1 (the
     device cache the package keeps; no region exists), under a two-device stand-in torch."""
-    monkeypatch.setitem(stablebuf._api._TAG_DEVICES, "on_zero", 0)
-    monkeypatch.setitem(stablebuf._api._TAG_DEVICES, "on_one", 1)
+    monkeypatch.setitem(stablebuf._devices._TAG_DEVICES, "on_zero", 0)
+    monkeypatch.setitem(stablebuf._devices._TAG_DEVICES, "on_one", 1)
 
     def install(capturing_on=None):
         fake = _TwoDeviceTorch(capturing_on)
@@ -323,8 +323,8 @@ def two_devices(monkeypatch):
 
 def test_each_region_gets_the_current_stream_of_its_own_device(two_devices):
     two_devices()
-    assert stablebuf._api._stream_of("on_one") == 1001, "device 1's stream with device 0 current"
-    streams = stablebuf._api._streams_of(["on_one", "on_zero", "on_one", "no-such-tag"])
+    assert stablebuf._devices.stream_of("on_one") == 1001, "device 1's stream with device 0 current"
+    streams = stablebuf._devices.streams_of(["on_one", "on_zero", "on_one", "no-such-tag"])
     assert streams == {1: 1001, 0: 1000}, "one stream per device; unknown tags left to the call"
 
 
