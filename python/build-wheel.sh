@@ -27,12 +27,17 @@ out="$(cd "$out" && pwd)"
 source "$root/scripts/nvrtc-env"
 
 tools="$root/.tools/wheel"
-if [ ! -x "$tools/bin/maturin" ] || ! "$tools/bin/python" -c "import ziglang" 2>/dev/null; then
-  echo "build-wheel: installing maturin and zig into $tools"
+# zig (for the manylinux wheel's glibc floor) only for the release wheel: the dev wheel is
+# built for this machine, and zig is a large download CI need not make.
+if [ ! -x "$tools/bin/maturin" ]; then
+  echo "build-wheel: installing maturin into $tools"
   rm -rf "$tools"
   python3 -m venv "$tools"
-  "$tools/bin/python" -m pip install --quiet --disable-pip-version-check \
-    "maturin==1.16.0" "ziglang==0.17.1"
+  "$tools/bin/python" -m pip install --quiet --disable-pip-version-check "maturin==1.16.0"
+fi
+if ! $dev && ! "$tools/bin/python" -c "import ziglang" 2>/dev/null; then
+  echo "build-wheel: installing zig into $tools"
+  "$tools/bin/python" -m pip install --quiet --disable-pip-version-check "ziglang==0.17.1"
 fi
 # maturin finds zig through `python3 -m ziglang`: put the tools' python first.
 export PATH="$tools/bin:$PATH"
