@@ -51,6 +51,10 @@ fn main() {
     ] {
         println!("cargo:rerun-if-env-changed={var}");
     }
+    // The kernels are the `demo-kernels` feature's; the library itself launches none.
+    if std::env::var_os("CARGO_FEATURE_DEMO_KERNELS").is_none() {
+        return;
+    }
     let out_dir = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
     let forced = std::env::var("STABLEBUF_PTX_COMPILER").ok();
     let write_committed = std::env::var("STABLEBUF_WRITE_PTX").as_deref() == Ok("1");

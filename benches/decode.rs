@@ -20,8 +20,9 @@ use std::time::Duration;
 use criterion::{Criterion, SamplingMode};
 use decode::loops::{median, window_times, Checked, LaneSteps, Runner, Setup, Variant};
 use decode::Shape;
+use stablebuf::device::memory_info;
 use stablebuf::kernels::{Activation, DecodeKernels};
-use stablebuf::{driver_present, memory_info, open_device, Space};
+use stablebuf::{driver_present, open_device, Space};
 
 const CHUNK: usize = 24;
 const SKIP: usize = 2;

@@ -18,8 +18,10 @@ use common::{
 };
 use criterion::SamplingMode;
 use stablebuf::buffer::{copy_between, LinearBuffer};
+use stablebuf::device::memory_info;
+use stablebuf::pool::{Block, Tenant};
 use stablebuf::vmm::{granularity, Mapping, Physical, Reservation};
-use stablebuf::{memory_info, Block, ElasticPool, PoolOptions, Tenant};
+use stablebuf::{ElasticPool, PoolOptions};
 
 const MIB: usize = 1 << 20;
 const GROW: &str = "grow 1.5 -> 3 GiB";

@@ -6,7 +6,8 @@ mod common;
 use std::sync::Arc;
 
 use common::{criterion, gpu, seconds, Ratio, Recorder, Variants};
-use stablebuf::{Layout, MatmulKernel, Space, StableGraph};
+use stablebuf::kernels::MatmulKernel;
+use stablebuf::{Layout, Space, StableGraph};
 
 const LAUNCH: &str = "replay vs stream launches (64x64 matmul kernels)";
 const UPDATE: &str = "update check vs re-capture + instantiate";

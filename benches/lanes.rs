@@ -16,10 +16,8 @@ use common::{
 };
 use criterion::SamplingMode;
 use stablebuf::cudarc::driver::{sys::CUevent_flags, CudaStream};
-use stablebuf::{
-    BindStrategy, Blas, Dataset, Kernels, Layout, Pipeline, Result, Slot, Space, SpaceOptions,
-    RECOMMENDED_WORKSPACE,
-};
+use stablebuf::kernels::{Blas, Kernels, RECOMMENDED_WORKSPACE};
+use stablebuf::{BindStrategy, Dataset, Layout, Pipeline, Result, Slot, Space, SpaceOptions};
 
 const GROUP: &str = "pipelined lanes, per step";
 const LAYERS: usize = 3;

@@ -5,7 +5,8 @@ mod common;
 
 use common::{criterion, gpu, Ratio, Recorder, Variants};
 use stablebuf::cudarc::driver::sys::CUevent_flags;
-use stablebuf::{Blas, Layout, MatmulKernel, Space, RECOMMENDED_WORKSPACE};
+use stablebuf::kernels::{Blas, MatmulKernel, RECOMMENDED_WORKSPACE};
+use stablebuf::{Layout, Space};
 
 const GROUP: &str = "matmul";
 /// Launches per timed variant run: two, so the events' own overhead is small even at 1024^3.

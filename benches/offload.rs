@@ -16,7 +16,8 @@ use common::{
     Recorder, Variants,
 };
 use stablebuf::cudarc::driver::PinnedHostSlice;
-use stablebuf::{memory_info, Dataset, HostArena, HostStorage, Layout, Space};
+use stablebuf::device::memory_info;
+use stablebuf::{Dataset, HostArena, HostStorage, Layout, Space};
 
 const OFFLOAD: &str = "offload (device -> host)";
 const RESTORE: &str = "restore (host -> device)";

@@ -13,8 +13,9 @@ use std::time::Duration;
 use common::{criterion, gpu, human_bytes, seconds, verdict, Gpu, Ratio, Recorder, Variants};
 use criterion::{Criterion, SamplingMode};
 use stablebuf::cudarc::driver::sys;
+use stablebuf::device::memory_info;
 use stablebuf::vmm::{granularity, Mapping, Physical, Reservation};
-use stablebuf::{memory_info, BindStrategy, DeviceBuffer, Layout, Space, SpaceOptions};
+use stablebuf::{BindStrategy, DeviceBuffer, Layout, Space, SpaceOptions};
 
 /// A device range given to a kernel to touch before a timed bind.
 struct Range(u64, usize);

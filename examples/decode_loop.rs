@@ -51,8 +51,10 @@ use decode::loops::{
     INPUT_SEED,
 };
 use decode::{fill_input, work, Acts, Raw, Shape, Weights};
+use stablebuf::device::memory_info;
+use stablebuf::kernels::Blas;
 use stablebuf::kernels::{Activation, DecodeKernels};
-use stablebuf::{memory_info, Blas, FencePolicy, Result, Space, SpaceOptions, StableGraph};
+use stablebuf::{FencePolicy, Result, Space, SpaceOptions, StableGraph};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum Act {
@@ -160,8 +162,10 @@ impl BatchResult {
 
 fn run(args: &Args) -> Result<bool> {
     if args.sets < 2 || args.rounds == 0 || args.batches.is_empty() || args.batches.contains(&0) {
-        return Err(stablebuf::Error::InvalidShape(
-            "need --sets >= 2, --rounds >= 1 and batch sizes >= 1".into(),
+        return Err(stablebuf::Error::Layout(
+            stablebuf::error::LayoutError::InvalidShape(
+                "need --sets >= 2, --rounds >= 1 and batch sizes >= 1".into(),
+            ),
         ));
     }
     let shape = Shape {
@@ -182,14 +186,16 @@ fn run(args: &Args) -> Result<bool> {
     let (free, total) = memory_info(&ctx)?;
     let needed = (args.sets + 3) * set_bytes + (1 << 30);
     if needed > free {
-        return Err(stablebuf::Error::InvalidShape(format!(
+        return Err(stablebuf::Error::Layout(
+            stablebuf::error::LayoutError::InvalidShape(format!(
             "needs about {:.1} GiB free ({} sets + 3 static copies of {:.2} GiB), {:.1} GiB are; \
              lower --sets, --layers or --hidden",
             needed as f64 / GIB,
             args.sets,
             set_bytes as f64 / GIB,
             free as f64 / GIB
-        )));
+        )),
+        ));
     }
     println!(
         "decode loop on {} ({:.0} GiB): {} layers, hidden {}, MLP {}x, {:?}, bf16 weights {:.2} GiB \

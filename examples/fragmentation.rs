@@ -26,8 +26,11 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use stablebuf::buffer::LinearBuffer;
 use stablebuf::cudarc::driver::{CudaContext, CudaStream};
+use stablebuf::device::memory_info;
+use stablebuf::kernels::Kernels;
 use stablebuf::pool::human_bytes;
-use stablebuf::{memory_info, Block, ElasticPool, Kernels, PoolOptions, Result};
+use stablebuf::pool::Block;
+use stablebuf::{ElasticPool, PoolOptions, Result};
 
 const CHUNK: usize = 64 << 20;
 
@@ -207,7 +210,7 @@ struct Served {
     released: usize,
 }
 
-fn serve(pool: &ElasticPool, tenant: &stablebuf::Tenant, asked: usize) -> Result<Served> {
+fn serve(pool: &ElasticPool, tenant: &stablebuf::pool::Tenant, asked: usize) -> Result<Served> {
     let before = pool.stats();
     let start = Instant::now();
     let block = tenant.alloc(asked)?;

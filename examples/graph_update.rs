@@ -12,7 +12,8 @@ use std::time::Instant;
 
 use clap::Parser;
 use common::{assert_matches, cpu_matmul, max_abs_error, random_vec, rng};
-use stablebuf::{Kernels, Layout, MatmulKernel, Space};
+use stablebuf::kernels::{Kernels, MatmulKernel};
+use stablebuf::{Layout, Space};
 
 /// Capture a matmul graph once, rebind its inputs to a second dataset at the same addresses,
 /// and replay the same exec on both; checked against the CPU.

@@ -22,9 +22,9 @@ use clap::Parser;
 use common::{assert_matches, random_vec, rng};
 use mlp::{cpu_forward, forward, layout, space_work, HostWeights, Pass, Raw, Shape};
 use stablebuf::cudarc::driver::{sys, CudaContext, CudaStream};
+use stablebuf::kernels::{Blas, Kernels};
 use stablebuf::{
-    BindStrategy, Blas, Dataset, Kernels, Layout, Pipeline, Result, Space, SpaceOptions,
-    StableGraph,
+    BindStrategy, Dataset, Layout, Pipeline, Result, Space, SpaceOptions, StableGraph,
 };
 
 /// A graph-replay inference loop: an MLP captured once, weight sets and input batches rotated by

@@ -11,7 +11,8 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use clap::Parser;
-use stablebuf::{receive_dataset, send_ack, Layout, Result, Space};
+use stablebuf::share::{receive_dataset, send_ack};
+use stablebuf::{Layout, Result, Space};
 
 const LEN: usize = 16 << 20;
 

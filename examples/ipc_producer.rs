@@ -10,7 +10,8 @@ use std::os::unix::net::UnixListener;
 use std::process::Command;
 
 use clap::Parser;
-use stablebuf::{send_dataset, wait_ack, Layout, Result, Space, SpaceOptions};
+use stablebuf::share::{send_dataset, wait_ack};
+use stablebuf::{Layout, Result, Space, SpaceOptions};
 
 const LEN: usize = 16 << 20; // u32 elements, 64 MiB
 

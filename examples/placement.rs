@@ -10,7 +10,8 @@ use std::time::Instant;
 
 use clap::Parser;
 use stablebuf::buffer::copy_between;
-use stablebuf::{Layout, Location, Result, Space, SpaceOptions, StableGraph};
+use stablebuf::vmm::Location;
+use stablebuf::{Layout, Result, Space, SpaceOptions, StableGraph};
 
 const MIB: usize = 1 << 20;
 
@@ -34,9 +35,9 @@ fn run(args: &Args) -> Result<()> {
     let mib = args.mib;
     let bytes = mib * MIB;
     let ctx = args.common.open_device()?;
-    let peer = (stablebuf::device_count()? >= 2
-        && stablebuf::can_access_peer(0, 1)?
-        && stablebuf::can_access_peer(1, 0)?)
+    let peer = (stablebuf::device::device_count()? >= 2
+        && stablebuf::device::can_access_peer(0, 1)?
+        && stablebuf::device::can_access_peer(1, 0)?)
     .then_some(1);
     let layout = Layout::builder()
         .group("data")

@@ -24,8 +24,10 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use stablebuf::buffer::{copy_between, LinearBuffer};
 use stablebuf::cudarc::driver::CudaStream;
+use stablebuf::kernels::Kernels;
 use stablebuf::pool::human_bytes;
-use stablebuf::{Block, DeviceBuffer, ElasticPool, Error, Kernels, PoolOptions, Result};
+use stablebuf::pool::Block;
+use stablebuf::{DeviceBuffer, ElasticPool, Error, PoolOptions, Result};
 
 const MIB: usize = 1 << 20;
 const SMALL: usize = 1536 * MIB;

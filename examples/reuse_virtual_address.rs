@@ -8,7 +8,9 @@ mod support;
 
 use clap::Parser;
 use common::{assert_matches, cpu_matmul, max_abs_error, random_vec, rng};
-use stablebuf::{memory_info, Kernels, Layout, MatmulKernel, Space};
+use stablebuf::device::memory_info;
+use stablebuf::kernels::{Kernels, MatmulKernel};
+use stablebuf::{Layout, Space};
 
 /// Run a matmul on a dataset, release its physical memory, map a second dataset at the same
 /// slot addresses and run the same kernel with the same pointers; checked against the CPU.

@@ -16,7 +16,10 @@ use std::time::Instant;
 use clap::Parser;
 use common::{assert_matches, random_vec, rng};
 use mlp::{cpu_forward, layout, space_work, HostWeights, Shape};
-use stablebuf::{memory_info, HostArena, HostStorage, Kernels, Result, Space, TransferReport};
+use stablebuf::device::memory_info;
+use stablebuf::host::TransferReport;
+use stablebuf::kernels::Kernels;
+use stablebuf::{HostArena, HostStorage, Result, Space};
 
 /// Sleep and wake a space under a live MLP graph: weights and batch offloaded to a pinned host
 /// arena, scratch released, a replay while asleep refused, and the same exec after wake giving

@@ -22,9 +22,9 @@ use std::time::Instant;
 use clap::Parser;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use stablebuf::collective::{Collective, CollectiveId};
+use stablebuf::kernels::{Blas, Kernels, RECOMMENDED_WORKSPACE};
 use stablebuf::{
-    open_device, BindStrategy, Blas, Dataset, Kernels, Layout, Result, Space, SpaceOptions,
-    StableGraph, RECOMMENDED_WORKSPACE,
+    open_device, BindStrategy, Dataset, Layout, Result, Space, SpaceOptions, StableGraph,
 };
 
 /// A tensor-parallel MLP layer, one process per GPU, with NCCL (libnccl must be on the loader's
@@ -96,9 +96,11 @@ fn main() -> ExitCode {
 fn launch(args: &Args) -> Result<i32> {
     // `device_count` panics in cudarc where there is no libcuda: ask first.
     if !stablebuf::driver_present() {
-        return Err(stablebuf::Error::NoDriver);
+        return Err(stablebuf::Error::Driver(
+            stablebuf::error::DriverError::NoDriver,
+        ));
     }
-    let gpus = stablebuf::device_count()?.saturating_sub(args.common.device);
+    let gpus = stablebuf::device::device_count()?.saturating_sub(args.common.device);
     let world = args.ranks.unwrap_or(gpus.min(2)).clamp(1, gpus.max(1));
     if world > gpus {
         eprintln!("asked for {world} ranks, {gpus} GPUs");
@@ -312,10 +314,12 @@ fn rank_main(rank: usize, args: &Args) -> Result<()> {
         world,
     };
     if !shape.ffn.is_multiple_of(world) {
-        return Err(stablebuf::Error::InvalidShape(format!(
-            "ffn {} is not divisible by {world} ranks",
-            shape.ffn
-        )));
+        return Err(stablebuf::Error::Layout(
+            stablebuf::error::LayoutError::InvalidShape(format!(
+                "ffn {} is not divisible by {world} ranks",
+                shape.ffn
+            )),
+        ));
     }
     let steps = args.steps;
     let ctx = open_device(args.common.device + rank)?;
@@ -387,9 +391,11 @@ fn rank_main(rank: usize, args: &Args) -> Result<()> {
                 for (i, (g, w)) in got.iter().zip(want).enumerate() {
                     let error = (g - w).abs() / w.abs().max(1.0);
                     if error.is_nan() || error > 2e-3 {
-                        return Err(stablebuf::Error::InvalidShape(format!(
-                            "{name} ({mode:?}), step {step}: y[{i}] = {g}, CPU {w}"
-                        )));
+                        return Err(stablebuf::Error::Layout(
+                            stablebuf::error::LayoutError::InvalidShape(format!(
+                                "{name} ({mode:?}), step {step}: y[{i}] = {g}, CPU {w}"
+                            )),
+                        ));
                     }
                     worst = worst.max(error);
                 }

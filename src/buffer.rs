@@ -7,7 +7,7 @@ use std::sync::Arc;
 use cudarc::driver::{sys, CudaStream};
 
 use crate::driver;
-use crate::error::{Error, Result};
+use crate::error::{Error, LayoutError, Result};
 
 pub use crate::driver::linear::LinearBuffer;
 
@@ -29,15 +29,17 @@ pub(crate) fn require_range(
     offset: usize,
     bytes: usize,
 ) -> Result<()> {
-    let needed = offset
-        .checked_add(bytes)
-        .ok_or_else(|| Error::InvalidShape(format!("{what}: {offset} + {bytes} overflows")))?;
+    let needed = offset.checked_add(bytes).ok_or_else(|| {
+        Error::Layout(LayoutError::InvalidShape(format!(
+            "{what}: {offset} + {bytes} overflows"
+        )))
+    })?;
     if needed > available {
-        return Err(Error::BufferTooSmall {
+        return Err(Error::Layout(LayoutError::BufferTooSmall {
             what,
             needed,
             available,
-        });
+        }));
     }
     Ok(())
 }
@@ -97,15 +99,15 @@ mod tests {
         assert!(require_range("r", 10, 10, 0).is_ok());
         assert!(matches!(
             require_range("r", 10, 4, 7),
-            Err(Error::BufferTooSmall {
+            Err(Error::Layout(LayoutError::BufferTooSmall {
                 needed: 11,
                 available: 10,
                 ..
-            })
+            }))
         ));
         assert!(matches!(
             require_range("r", 10, usize::MAX, 2),
-            Err(Error::InvalidShape(_))
+            Err(Error::Layout(LayoutError::InvalidShape(_)))
         ));
     }
 }

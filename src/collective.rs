@@ -14,7 +14,8 @@
 //! and `libnccl.so` on the loader's path (`LD_LIBRARY_PATH`, ldconfig); the `lib/` folder of the
 //! pip `nvidia-nccl-cu12`/`-cu13` package of the active Python environment (the one PyTorch
 //! uses; the interpreter is `$PYTHON`, `$VIRTUAL_ENV`'s, `$CONDA_PREFIX`'s or `python3`); then
-//! `$CUDA_HOME/lib64`. [`Error::LibraryMissing`] lists every place tried; [`library`] says which
+//! `$CUDA_HOME/lib64`. [`DriverError::LibraryMissing`](crate::error::DriverError::LibraryMissing)
+//! lists every place tried; [`library`] says which
 //! one was used.
 //!
 //! ## Registrations and rebinds
@@ -32,12 +33,14 @@ use cudarc::driver::{sys, CudaContext, CudaStream};
 
 use crate::buffer::{require_range, DeviceBuffer};
 use crate::driver::nccl::{self, Communicator, Registration};
-use crate::error::{Error, Result};
+use crate::error::{Error, LayoutError, Result};
 use crate::space::listeners::RemapListener;
 use crate::Space;
 
 /// Where libnccl was loaded from and its version number (`ncclGetVersion`, e.g. 22705 for
-/// 2.27.5), loading it if needed. [`Error::LibraryMissing`] lists every place tried.
+/// 2.27.5), loading it if needed.
+/// [`DriverError::LibraryMissing`](crate::error::DriverError::LibraryMissing) lists every place
+/// tried.
 pub fn library() -> Result<(String, i32)> {
     nccl::library()
 }
@@ -60,7 +63,11 @@ impl CollectiveId {
 
     /// Parses [`CollectiveId::to_hex`]'s output.
     pub fn from_hex(hex: &str) -> Result<Self> {
-        let bad = || Error::InvalidShape(format!("not a 256-digit hex collective id: {hex:?}"));
+        let bad = || {
+            Error::Layout(LayoutError::InvalidShape(format!(
+                "not a 256-digit hex collective id: {hex:?}"
+            )))
+        };
         if hex.len() != 256 || !hex.is_ascii() {
             return Err(bad());
         }
@@ -87,7 +94,8 @@ pub struct Registered {
 
 impl Collective {
     /// Joins the communicator `id` as `rank` of `world`, on `ctx`'s device. Blocks until every
-    /// rank has joined. [`Error::LibraryMissing`] when libnccl is not on the loader's path.
+    /// rank has joined. [`DriverError::LibraryMissing`](crate::error::DriverError::LibraryMissing)
+    /// when libnccl is not on the loader's path.
     pub fn join(
         ctx: &Arc<CudaContext>,
         rank: usize,
@@ -119,11 +127,11 @@ impl Collective {
         let count = buffer.byte_len() / std::mem::size_of::<f32>();
         require_range("all-reduce buffer", buffer.byte_len(), 0, count * 4)?;
         if count == 0 {
-            return Err(Error::BufferTooSmall {
+            return Err(Error::Layout(LayoutError::BufferTooSmall {
                 what: "all-reduce buffer",
                 needed: 4,
                 available: buffer.byte_len(),
-            });
+            }));
         }
         self.comm
             .all_reduce_sum_f32(stream, buffer.device_address(), count)

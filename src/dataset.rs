@@ -10,7 +10,7 @@
 //!
 //! **Dropping a bound dataset unbinds it** from every space it is bound in (waiting on each
 //! space's fence first), and then releases its memory. Those spaces' replays then fail with
-//! [`Error::Unbound`] until another dataset is bound.
+//! [`GraphError::Unbound`](crate::error::GraphError::Unbound) until another dataset is bound.
 
 use std::sync::{Arc, Mutex, Weak};
 
@@ -18,7 +18,7 @@ use cudarc::driver::{CudaContext, CudaStream, DeviceRepr};
 
 use crate::driver;
 use crate::driver::vmm::{Location, Mapping, Physical, Reservation};
-use crate::error::{Error, Result};
+use crate::error::{DriverError, Error, LayoutError, OffloadError, Result};
 use crate::fence::{Fence, FencePolicy};
 use crate::host::{self, HostCopy, HostStorage, StorageUsed, TransferReport};
 use crate::ids::next_id;
@@ -204,14 +204,16 @@ impl Dataset {
     fn home(&self) -> Result<&Mapping> {
         match &self.residency {
             Residency::Device(home) => Ok(home),
-            Residency::Host { .. } => Err(Error::Offloaded { dataset: self.id }),
+            Residency::Host { .. } => {
+                Err(Error::Offload(OffloadError::Offloaded { dataset: self.id }))
+            }
         }
     }
 
     /// A new file descriptor for this dataset's memory, owned by the caller (closed on drop), for
     /// passing to another process. The dataset must come from a space with
     /// [`SpaceOptions::shareable`](crate::SpaceOptions::shareable);
-    /// [`send_dataset`](crate::send_dataset) does this and sends it.
+    /// [`send_dataset`](crate::share::send_dataset) does this and sends it.
     pub fn export(&self) -> Result<std::os::fd::OwnedFd> {
         self.physical()?.export()
     }
@@ -226,7 +228,7 @@ impl Dataset {
         matches!(self.residency, Residency::Device(_))
     }
 
-    /// A label for group operations ([`offload_tagged`](crate::offload_tagged)).
+    /// A label for group operations ([`offload_tagged`](crate::sleep::offload_tagged)).
     pub fn set_tag(&mut self, tag: impl Into<String>) {
         self.tag = Some(tag.into());
     }
@@ -303,7 +305,9 @@ impl Dataset {
     /// home address it had before the offload ([`Dataset::home_ptr`]). Bind it again to put it
     /// under a space's slots.
     ///
-    /// On out-of-memory returns [`Error::RestoreOutOfMemory`] with what was asked and what is
+    /// On out-of-memory returns
+    /// [`OffloadError::RestoreOutOfMemory`](crate::error::OffloadError::RestoreOutOfMemory) with
+    /// what was asked and what is
     /// free; the host copy is kept, and a retry after memory is freed succeeds.
     pub fn restore(&mut self, stream: &Arc<CudaStream>) -> Result<TransferReport> {
         let (id, bytes) = (self.id, self.bytes);
@@ -326,15 +330,15 @@ impl Dataset {
                 .and_then(|physical| {
                     Mapping::new(reservation, 0, &Arc::new(physical), 0, bytes, &self.access)
                 }) {
-                Err(Error::OutOfMemory { .. }) => {
+                Err(Error::Driver(DriverError::OutOfMemory { .. })) => {
                     let free = driver::memory_info(&self.ctx)
                         .map(|(free, _)| free)
                         .unwrap_or(0);
-                    return Err(Error::RestoreOutOfMemory {
+                    return Err(Error::Offload(OffloadError::RestoreOutOfMemory {
                         dataset: id,
                         asked: bytes,
                         free,
-                    });
+                    }));
                 }
                 other => other?,
             };
@@ -432,7 +436,7 @@ impl Dataset {
         self.slots
             .iter()
             .find(|s| s.name == name)
-            .ok_or_else(|| Error::UnknownSlot { slot: name.into() })
+            .ok_or_else(|| Error::Layout(LayoutError::UnknownSlot { slot: name.into() }))
     }
 
     /// A typed view of slot `name` at the dataset's home address (not the space's), to fill or

@@ -1,17 +1,98 @@
-//! The one error type of the crate.
+//! The crate's errors: one enum per area, each wrapped by [`Error`], so `?` converts them.
+//!
+//! Match on the area, then on the variant: `Err(Error::Graph(GraphError::Unbound { group }))`.
+//! [`Error::is_out_of_memory`] answers the most common question across areas.
 
-use cudarc::driver::{sys::CUresult, DriverError};
+use cudarc::driver::sys::CUresult;
 
-/// Everything that can go wrong in stablebuf. Variants carry the numbers a caller needs to act.
+/// Everything that can go wrong in stablebuf, by area. Variants carry the numbers a caller
+/// needs to act.
 ///
 /// After any error the object it came from is unchanged: a failed bind leaves the previous
 /// dataset bound, a failed layout build creates nothing, and so on.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
+    /// A driver, device or library call failed, or a device cannot do what was asked.
+    #[error(transparent)]
+    Driver(#[from] DriverError),
+
+    /// A layout, slot, shape or buffer size is wrong: bad input, caught on the host before any GPU
+    /// work.
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+
+    /// A capture or replay is refused: bindings changed during a capture, or a replay would read
+    /// unbound or released memory.
+    #[error(transparent)]
+    Graph(#[from] GraphError),
+
+    /// Moving bytes to the host and back (offload, restore, sleep, wake) failed; the data stays
+    /// where it was.
+    #[error(transparent)]
+    Offload(#[from] OffloadError),
+
+    /// The elastic pool refused a request: memory, budget or address capacity, or its tenant is
+    /// gone.
+    #[error(transparent)]
+    Pool(#[from] PoolError),
+
+    /// A tagged region refused an operation: it is asleep, the address is not its, or a weight set
+    /// does not fit it.
+    #[error(transparent)]
+    Region(#[from] RegionError),
+
+    /// Sharing with another process failed: the wire protocol, the peer's answer, or what it
+    /// offered.
+    #[error(transparent)]
+    Share(#[from] ShareError),
+
+    /// An operating-system call failed: a socket call, or writing a timeline file.
+    #[error("{call}: {source}")]
+    Io {
+        /// The call, e.g. `"sendmsg"`, `"recvmsg"` or `"write"`.
+        call: &'static str,
+        /// The operating system's error.
+        source: std::io::Error,
+    },
+}
+
+/// Shorthand used throughout the crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    /// Whether this error means the device ran out of memory: the driver's, or the pool's
+    /// after draining its cache.
+    pub fn is_out_of_memory(&self) -> bool {
+        matches!(
+            self,
+            Error::Driver(DriverError::OutOfMemory { .. })
+                | Error::Pool(PoolError::PoolOutOfMemory { .. })
+        )
+    }
+}
+
+/// An error of a cudarc call made by user code inside a capture or launch.
+impl From<cudarc::driver::DriverError> for Error {
+    fn from(error: cudarc::driver::DriverError) -> Self {
+        Error::Driver(DriverError::Cudarc(error))
+    }
+}
+
+/// A malformed or unexpected message from a peer process.
+impl From<ProtocolError> for Error {
+    fn from(error: ProtocolError) -> Self {
+        Error::Share(ShareError::Protocol(error))
+    }
+}
+
+/// A driver, device or library call failed, or a device cannot do what was asked.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DriverError {
     /// A CUDA driver call failed. `call` is the driver function's name.
     #[error("{call} failed with {result:?} ({bytes} bytes)")]
-    Driver {
+    Failed {
         /// The driver function, e.g. `"cuMemMap"`.
         call: &'static str,
         /// The code the driver returned.
@@ -36,92 +117,6 @@ pub enum Error {
         call: &'static str,
         /// The status cuBLAS returned.
         status: cudarc::cublas::sys::cublasStatus_t,
-    },
-
-    /// Host memory for an offload could not be allocated; the dataset stays on the device.
-    #[error("could not allocate {bytes} bytes of host memory")]
-    HostOutOfMemory {
-        /// Bytes of host memory that were asked for.
-        bytes: usize,
-    },
-
-    /// The dataset is offloaded: restore it before binding, viewing or copying it.
-    #[error("dataset {dataset} is offloaded to the host")]
-    Offloaded {
-        /// The dataset's id ([`Dataset::id`](crate::Dataset::id)).
-        dataset: u64,
-    },
-
-    /// A restore found too little device memory; the host copy is kept and a later retry works.
-    #[error("restoring dataset {dataset} needs {asked} bytes of device memory, {free} are free")]
-    RestoreOutOfMemory {
-        /// The id of the dataset (or region) being restored.
-        dataset: u64,
-        /// Bytes of device memory the restore needs.
-        asked: usize,
-        /// Bytes free on the device when it was refused (`cuMemGetInfo`; 0 if that failed too).
-        free: usize,
-    },
-
-    /// The space's scratch memory is released (the space is asleep): wake it first.
-    #[error("the space is asleep: its scratch memory is released")]
-    Asleep,
-
-    /// The region is asleep: its physical memory is released. Wake it first.
-    #[error("region `{tag}` is asleep: wake it first")]
-    RegionAsleep {
-        /// The region's tag.
-        tag: String,
-    },
-
-    /// No allocation of the region starts at this address.
-    #[error("no allocation starts at {address:#x}")]
-    UnknownAllocation {
-        /// The device address that was given.
-        address: u64,
-    },
-
-    /// A snapshot cannot be bound into this region.
-    #[error("region `{tag}`: {reason}")]
-    SnapshotMismatch {
-        /// The tag of the region asked to bind it.
-        tag: String,
-        /// What differs (another region, another span, ...), in words.
-        reason: String,
-    },
-
-    /// An operating-system call failed: a socket call, or writing a timeline file.
-    #[error("{call}: {source}")]
-    Io {
-        /// The call, e.g. `"sendmsg"`, `"recvmsg"` or `"write"`.
-        call: &'static str,
-        /// The operating system's error.
-        source: std::io::Error,
-    },
-
-    /// A message from a peer process was malformed or unexpected.
-    #[error("protocol: {0}")]
-    Protocol(#[from] ProtocolError),
-
-    /// The peer refused what was sent, saying why.
-    #[error("the peer rejected the dataset: {reason}")]
-    Rejected {
-        /// The peer's reason, as it sent it.
-        reason: String,
-    },
-
-    /// Export asked of memory not created shareable
-    /// ([`SpaceOptions::shareable`](crate::SpaceOptions::shareable)).
-    #[error("the dataset was not created shareable")]
-    NotShareable,
-
-    /// A dataset offered by another process lives on another GPU.
-    #[error("the dataset is on another device (uuid {found:02x?}, this one {expected:02x?})")]
-    DeviceMismatch {
-        /// The UUID of this process's device.
-        expected: [u8; 16],
-        /// The UUID of the device the dataset lives on.
-        found: [u8; 16],
     },
 
     /// An NCCL call failed. `code` is its `ncclResult_t`.
@@ -150,6 +145,43 @@ pub enum Error {
     #[error("no CUDA driver found: libcuda could not be loaded")]
     NoDriver,
 
+    /// A device ordinal past the devices this process sees.
+    #[error("device {ordinal} does not exist ({count} CUDA devices)")]
+    NoSuchDevice {
+        /// The ordinal asked for.
+        ordinal: usize,
+        /// How many devices this process sees (ordinals `0..count`).
+        count: usize,
+    },
+
+    /// Kernels on device `from` cannot reach memory on device `to` (`cuDeviceCanAccessPeer`).
+    #[error("device {from} cannot access memory on device {to}")]
+    PeerAccess {
+        /// Ordinal of the device whose kernels would read or write.
+        from: usize,
+        /// Ordinal of the device that holds the memory.
+        to: usize,
+    },
+
+    /// A dataset or buffer belongs to another CUDA context (device).
+    #[error("object belongs to CUDA device {found}, expected device {expected}")]
+    ContextMismatch {
+        /// Ordinal of the device of the space (or pool) that was asked.
+        expected: usize,
+        /// Ordinal of the device the object belongs to.
+        found: usize,
+    },
+
+    /// An error from a cudarc call made by user code inside a capture or launch.
+    #[error("cudarc: {0}")]
+    Cudarc(#[from] cudarc::driver::DriverError),
+}
+
+/// A layout, slot, shape or buffer size is wrong: bad input, caught on the host before any GPU
+/// work.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum LayoutError {
     /// A slot was declared with zero bytes.
     #[error("slot `{slot}` has zero size")]
     ZeroSizeSlot {
@@ -198,60 +230,11 @@ pub enum Error {
     LayoutMismatch {
         /// The dataset's group.
         group: String,
-        /// Fingerprint of the layout the dataset was made for ([`Layout::fingerprint`](crate::Layout::fingerprint)).
+        /// Fingerprint of the layout the dataset was made for
+        /// ([`Layout::fingerprint`](crate::Layout::fingerprint)).
         dataset_layout: u64,
         /// Fingerprint of the space's layout.
         space_layout: u64,
-    },
-
-    /// A published weight set does not match what the importing process expects; `what` names
-    /// the first field that differs (`"layout fingerprint"`, `"bytes"`, `"tag"`). Nothing was
-    /// imported.
-    #[error("the offered weight set differs in its {what}: expected {expected}, offered {found}")]
-    OfferMismatch {
-        /// The field that differs.
-        what: &'static str,
-        /// What this process expected, as text.
-        expected: String,
-        /// What the peer offered, as text.
-        found: String,
-    },
-
-    /// A device ordinal past the devices this process sees.
-    #[error("device {ordinal} does not exist ({count} CUDA devices)")]
-    NoSuchDevice {
-        /// The ordinal asked for.
-        ordinal: usize,
-        /// How many devices this process sees (ordinals `0..count`).
-        count: usize,
-    },
-
-    /// Kernels on device `from` cannot reach memory on device `to` (`cuDeviceCanAccessPeer`).
-    #[error("device {from} cannot access memory on device {to}")]
-    PeerAccess {
-        /// Ordinal of the device whose kernels would read or write.
-        from: usize,
-        /// Ordinal of the device that holds the memory.
-        to: usize,
-    },
-
-    /// A graph would run on a device the space does not grant access to its addresses (see
-    /// `SpaceOptions::peers`): its kernels would fault, so the capture is refused.
-    #[error("device {device} has no access to the space's addresses (granted: {granted:?}); add it with SpaceOptions::peers")]
-    NotGranted {
-        /// Ordinal of the device the graph would run on.
-        device: usize,
-        /// The devices the space grants access to.
-        granted: Vec<usize>,
-    },
-
-    /// A dataset or buffer belongs to another CUDA context (device).
-    #[error("object belongs to CUDA device {found}, expected device {expected}")]
-    ContextMismatch {
-        /// Ordinal of the device of the space (or pool) that was asked.
-        expected: usize,
-        /// Ordinal of the device the object belongs to.
-        found: usize,
     },
 
     /// Host data whose size does not match the slot.
@@ -276,20 +259,6 @@ pub enum Error {
         elem_bytes: usize,
     },
 
-    /// Binding, unbinding or dropping backing while a stream capture is in progress would
-    /// invalidate the capture (and the driver forbids it in global capture mode); a weight-set
-    /// copy ([`Region::load`](crate::region::Region::load), a copy switch) would be recorded
-    /// into the graph.
-    #[error("cannot change bindings while a stream capture is in progress")]
-    BindDuringCapture,
-
-    /// A replay (or slot access) needs the group's dataset bound, and it is not.
-    #[error("slot group `{group}` has no dataset bound")]
-    Unbound {
-        /// The group with nothing bound (for a region, its tag).
-        group: String,
-    },
-
     /// A kernel helper was given buffers too small for the shape asked for.
     #[error("{what}: needs {needed} bytes, buffer has {available}")]
     BufferTooSmall {
@@ -305,6 +274,40 @@ pub enum Error {
     /// text names the dimension and its value.
     #[error("invalid shape: {0}")]
     InvalidShape(String),
+}
+
+/// A capture or replay is refused: bindings changed during a capture, or a replay would read
+/// unbound or released memory.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum GraphError {
+    /// The space's scratch memory is released (the space is asleep): wake it first.
+    #[error("the space is asleep: its scratch memory is released")]
+    Asleep,
+
+    /// A graph would run on a device the space does not grant access to its addresses (see
+    /// `SpaceOptions::peers`): its kernels would fault, so the capture is refused.
+    #[error("device {device} has no access to the space's addresses (granted: {granted:?}); add it with SpaceOptions::peers")]
+    NotGranted {
+        /// Ordinal of the device the graph would run on.
+        device: usize,
+        /// The devices the space grants access to.
+        granted: Vec<usize>,
+    },
+
+    /// Binding, unbinding or dropping backing while a stream capture is in progress would
+    /// invalidate the capture (and the driver forbids it in global capture mode); a weight-set
+    /// copy ([`Region::load`](crate::region::Region::load), a copy switch) would be recorded
+    /// into the graph.
+    #[error("cannot change bindings while a stream capture is in progress")]
+    BindDuringCapture,
+
+    /// A replay (or slot access) needs the group's dataset bound, and it is not.
+    #[error("slot group `{group}` has no dataset bound")]
+    Unbound {
+        /// The group with nothing bound (for a region, its tag).
+        group: String,
+    },
 
     /// A capture produced no graph (the stream captured nothing).
     #[error("the capture recorded no work")]
@@ -313,7 +316,43 @@ pub enum Error {
     /// A capture was started on a stream that is already capturing.
     #[error("the stream is already capturing")]
     AlreadyCapturing,
+}
 
+/// Moving bytes to the host and back (offload, restore, sleep, wake) failed; the data stays where
+/// it was.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum OffloadError {
+    /// Host memory for an offload could not be allocated; the dataset stays on the device.
+    #[error("could not allocate {bytes} bytes of host memory")]
+    HostOutOfMemory {
+        /// Bytes of host memory that were asked for.
+        bytes: usize,
+    },
+
+    /// The dataset is offloaded: restore it before binding, viewing or copying it.
+    #[error("dataset {dataset} is offloaded to the host")]
+    Offloaded {
+        /// The dataset's id ([`Dataset::id`](crate::Dataset::id)).
+        dataset: u64,
+    },
+
+    /// A restore found too little device memory; the host copy is kept and a later retry works.
+    #[error("restoring dataset {dataset} needs {asked} bytes of device memory, {free} are free")]
+    RestoreOutOfMemory {
+        /// The id of the dataset (or region) being restored.
+        dataset: u64,
+        /// Bytes of device memory the restore needs.
+        asked: usize,
+        /// Bytes free on the device when it was refused (`cuMemGetInfo`; 0 if that failed too).
+        free: usize,
+    },
+}
+
+/// The elastic pool refused a request: memory, budget or address capacity, or its tenant is gone.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PoolError {
     /// The pool could not get physical memory even after draining its cache (`drained` bytes
     /// released). `cached` and `held` are the pool's figures when the request came.
     #[error("pool out of device memory: asked {asked} bytes with {held} held and {cached} cached; drained {drained}, the driver still refused")]
@@ -375,23 +414,78 @@ pub enum Error {
     /// Rendering the timeline picture failed; the text is the renderer's (or the file's) error.
     #[error("rendering the timeline: {0}")]
     Timeline(String),
-
-    /// An error from a cudarc call made by user code inside a capture or launch.
-    #[error("cudarc: {0}")]
-    Cudarc(#[from] DriverError),
 }
 
-/// Shorthand used throughout the crate.
-pub type Result<T, E = Error> = std::result::Result<T, E>;
+/// A tagged region refused an operation: it is asleep, the address is not its, or a weight set does
+/// not fit it.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RegionError {
+    /// The region is asleep: its physical memory is released. Wake it first.
+    #[error("region `{tag}` is asleep: wake it first")]
+    RegionAsleep {
+        /// The region's tag.
+        tag: String,
+    },
 
-impl Error {
-    /// Whether this error means the device ran out of memory.
-    pub fn is_out_of_memory(&self) -> bool {
-        matches!(
-            self,
-            Error::OutOfMemory { .. } | Error::PoolOutOfMemory { .. }
-        )
-    }
+    /// No allocation of the region starts at this address.
+    #[error("no allocation starts at {address:#x}")]
+    UnknownAllocation {
+        /// The device address that was given.
+        address: u64,
+    },
+
+    /// A snapshot cannot be bound into this region.
+    #[error("region `{tag}`: {reason}")]
+    SnapshotMismatch {
+        /// The tag of the region asked to bind it.
+        tag: String,
+        /// What differs (another region, another span, ...), in words.
+        reason: String,
+    },
+}
+
+/// Sharing with another process failed: the wire protocol, the peer's answer, or what it offered.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ShareError {
+    /// A message from a peer process was malformed or unexpected.
+    #[error("protocol: {0}")]
+    Protocol(#[from] ProtocolError),
+
+    /// The peer refused what was sent, saying why.
+    #[error("the peer rejected the dataset: {reason}")]
+    Rejected {
+        /// The peer's reason, as it sent it.
+        reason: String,
+    },
+
+    /// Export asked of memory not created shareable
+    /// ([`SpaceOptions::shareable`](crate::SpaceOptions::shareable)).
+    #[error("the dataset was not created shareable")]
+    NotShareable,
+
+    /// A dataset offered by another process lives on another GPU.
+    #[error("the dataset is on another device (uuid {found:02x?}, this one {expected:02x?})")]
+    DeviceMismatch {
+        /// The UUID of this process's device.
+        expected: [u8; 16],
+        /// The UUID of the device the dataset lives on.
+        found: [u8; 16],
+    },
+
+    /// A published weight set does not match what the importing process expects; `what` names
+    /// the first field that differs (`"layout fingerprint"`, `"bytes"`, `"tag"`). Nothing was
+    /// imported.
+    #[error("the offered weight set differs in its {what}: expected {expected}, offered {found}")]
+    OfferMismatch {
+        /// The field that differs.
+        what: &'static str,
+        /// What this process expected, as text.
+        expected: String,
+        /// What the peer offered, as text.
+        found: String,
+    },
 }
 
 /// What is wrong with a message.

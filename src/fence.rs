@@ -28,7 +28,7 @@ use cudarc::driver::{CudaContext, CudaStream};
 
 use crate::driver;
 use crate::driver::event::UseMarker;
-use crate::error::{Error, Result};
+use crate::error::{Error, GraphError, Result};
 
 thread_local! {
     static CAPTURE_DEPTH: Cell<u32> = const { Cell::new(0) };
@@ -112,15 +112,16 @@ impl Fence {
         }
     }
 
-    /// Fails with [`Error::BindDuringCapture`] if a capture is under way on this thread or on
+    /// Fails with [`GraphError::BindDuringCapture`](crate::error::GraphError::BindDuringCapture) if
+    /// a capture is under way on this thread or on
     /// an attached stream: unmapping then would break the capture or fault at replay.
     pub(crate) fn check_not_capturing(&self) -> Result<()> {
         if capturing_on_this_thread() {
-            return Err(Error::BindDuringCapture);
+            return Err(Error::Graph(GraphError::BindDuringCapture));
         }
         for stream in &self.streams {
             if driver::is_capturing(stream)? {
-                return Err(Error::BindDuringCapture);
+                return Err(Error::Graph(GraphError::BindDuringCapture));
             }
         }
         Ok(())

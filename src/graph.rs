@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::CudaStream;
 
 use crate::driver::{self, graph as raw};
-use crate::error::{Error, Result};
+use crate::error::{Error, GraphError, Result};
 use crate::fence::CaptureGuard;
 use crate::space::{Space, SpaceShared};
 
@@ -146,7 +146,8 @@ impl NodeKind {
 /// A CUDA graph captured over one or more spaces.
 ///
 /// Replaying checks, under the spaces' locks, that every group of every space has a dataset
-/// bound; otherwise it returns [`Error::Unbound`] and launches nothing, so a missing binding is
+/// bound; otherwise it returns [`GraphError::Unbound`](crate::error::GraphError::Unbound) and
+/// launches nothing, so a missing binding is
 /// an error rather than an illegal-address fault. The graph keeps its spaces' addresses reserved
 /// for as long as it lives.
 ///
@@ -199,7 +200,7 @@ impl std::fmt::Debug for StableGraph {
 /// when `work` fails, so the stream is usable afterwards.
 fn capture_graph(stream: &Arc<CudaStream>, work: &mut Work) -> Result<(raw::Graph, Duration)> {
     if driver::is_capturing(stream)? {
-        return Err(Error::AlreadyCapturing);
+        return Err(Error::Graph(GraphError::AlreadyCapturing));
     }
     let start = Instant::now();
     raw::begin_capture(stream)?;
@@ -211,6 +212,17 @@ fn capture_graph(stream: &Arc<CudaStream>, work: &mut Work) -> Result<(raw::Grap
     outcome?;
     let graph = raw::require_graph(ended?)?;
     Ok((graph, start.elapsed()))
+}
+
+// Here rather than in `space`, which knows nothing of graphs.
+impl Space {
+    /// Captures `work` on `stream` as a graph over this space. See [`StableGraph::capture`].
+    pub fn capture<F>(&self, stream: &Arc<CudaStream>, work: F) -> Result<StableGraph>
+    where
+        F: FnMut(&Arc<CudaStream>) -> Result<()> + Send + 'static,
+    {
+        StableGraph::capture(stream, &[self], work)
+    }
 }
 
 impl StableGraph {
@@ -231,10 +243,10 @@ impl StableGraph {
         shared.dedup_by_key(|s| s.id());
         let device = stream.context().ordinal();
         if let Some(space) = shared.iter().find(|s| !s.access().contains(&device)) {
-            return Err(Error::NotGranted {
+            return Err(Error::Graph(GraphError::NotGranted {
                 device,
                 granted: space.access().to_vec(),
-            });
+            }));
         }
         for space in &shared {
             space.attach(stream);

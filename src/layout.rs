@@ -13,7 +13,7 @@
 //!
 //! Everything here is arithmetic: it needs no device and is tested on the CPU.
 
-use crate::error::{Error, Result};
+use crate::error::{Error, LayoutError, Result};
 use crate::hash::fnv1a64;
 
 /// What a slot is for. Inputs and outputs live in datasets and are swapped by binding; scratch
@@ -100,22 +100,22 @@ impl LayoutBuilder {
     /// Checks the declarations and makes the layout.
     pub fn build(self) -> Result<Layout> {
         if self.slots.is_empty() {
-            return Err(Error::EmptyLayout);
+            return Err(Error::Layout(LayoutError::EmptyLayout));
         }
         let mut groups: Vec<String> = Vec::new();
         for (i, slot) in self.slots.iter().enumerate() {
             if slot.name.is_empty() || slot.group.as_deref() == Some("") {
-                return Err(Error::EmptyName);
+                return Err(Error::Layout(LayoutError::EmptyName));
             }
             if slot.bytes == 0 {
-                return Err(Error::ZeroSizeSlot {
+                return Err(Error::Layout(LayoutError::ZeroSizeSlot {
                     slot: slot.name.clone(),
-                });
+                }));
             }
             if self.slots[..i].iter().any(|s| s.name == slot.name) {
-                return Err(Error::DuplicateSlot {
+                return Err(Error::Layout(LayoutError::DuplicateSlot {
                     slot: slot.name.clone(),
-                });
+                }));
             }
             if let Some(group) = &slot.group {
                 if !groups.contains(group) {
@@ -181,11 +181,15 @@ impl Layout {
     /// Places the slots for allocation granularity `granularity` (a power of two).
     pub fn place(&self, granularity: usize) -> Result<Placement> {
         if !granularity.is_power_of_two() {
-            return Err(Error::InvalidShape(format!(
+            return Err(Error::Layout(LayoutError::InvalidShape(format!(
                 "granularity {granularity} is not a power of two"
-            )));
+            ))));
         }
-        let too_big = || Error::InvalidShape("layout size overflows the address space".into());
+        let too_big = || {
+            Error::Layout(LayoutError::InvalidShape(
+                "layout size overflows the address space".into(),
+            ))
+        };
         let mut slots = Vec::with_capacity(self.slots.len());
         let mut regions = Vec::new();
         let mut offset = 0usize;
@@ -290,7 +294,7 @@ impl Placement {
         self.groups
             .iter()
             .position(|g| g.name == name)
-            .ok_or_else(|| Error::UnknownGroup { group: name.into() })
+            .ok_or_else(|| Error::Layout(LayoutError::UnknownGroup { group: name.into() }))
     }
 
     /// The slot called `name`.
@@ -298,7 +302,7 @@ impl Placement {
         self.slots
             .iter()
             .find(|s| s.name == name)
-            .ok_or_else(|| Error::UnknownSlot { slot: name.into() })
+            .ok_or_else(|| Error::Layout(LayoutError::UnknownSlot { slot: name.into() }))
     }
 }
 
@@ -416,40 +420,48 @@ mod tests {
 
     #[test]
     fn bad_declarations_are_typed_errors() {
-        assert!(matches!(Layout::builder().build(), Err(Error::EmptyLayout)));
+        assert!(matches!(
+            Layout::builder().build(),
+            Err(Error::Layout(LayoutError::EmptyLayout))
+        ));
         assert!(matches!(
             Layout::builder().input("x", 0).build(),
-            Err(Error::ZeroSizeSlot { slot }) if slot == "x"
+            Err(Error::Layout(LayoutError::ZeroSizeSlot { slot })) if slot == "x"
         ));
         assert!(matches!(
             Layout::builder().input("x", 1).scratch("x", 1).build(),
-            Err(Error::DuplicateSlot { slot }) if slot == "x"
+            Err(Error::Layout(LayoutError::DuplicateSlot { slot })) if slot == "x"
         ));
         assert!(matches!(
             Layout::builder().input("", 1).build(),
-            Err(Error::EmptyName)
+            Err(Error::Layout(LayoutError::EmptyName))
         ));
         assert!(matches!(
             Layout::builder().group("").input("x", 1).build(),
-            Err(Error::EmptyName)
+            Err(Error::Layout(LayoutError::EmptyName))
         ));
-        assert!(matches!(sample().place(3), Err(Error::InvalidShape(_))));
+        assert!(matches!(
+            sample().place(3),
+            Err(Error::Layout(LayoutError::InvalidShape(_)))
+        ));
         assert!(matches!(
             Layout::builder()
                 .input("x", usize::MAX)
                 .build()
                 .unwrap()
                 .place(G),
-            Err(Error::InvalidShape(_))
+            Err(Error::Layout(LayoutError::InvalidShape(_)))
         ));
     }
 
     #[test]
     fn lookups_name_what_is_missing() {
         let p = sample().place(G).unwrap();
-        assert!(matches!(p.slot("nope"), Err(Error::UnknownSlot { slot }) if slot == "nope"));
         assert!(
-            matches!(p.group_index("nope"), Err(Error::UnknownGroup { group }) if group == "nope")
+            matches!(p.slot("nope"), Err(Error::Layout(LayoutError::UnknownSlot { slot })) if slot == "nope")
+        );
+        assert!(
+            matches!(p.group_index("nope"), Err(Error::Layout(LayoutError::UnknownGroup { group })) if group == "nope")
         );
         assert_eq!(p.group_index("batch").unwrap(), 1);
         assert_eq!(p.slot("y").unwrap().bytes, G + 1);

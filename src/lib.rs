@@ -9,7 +9,8 @@
 //! new data with no copy, no re-capture and no re-instantiation.
 //!
 //! ```no_run
-//! use stablebuf::{open_device, Kernels, Layout, MatmulKernel, Space};
+//! use stablebuf::kernels::{Kernels, MatmulKernel}; // feature `demo-kernels`
+//! use stablebuf::{open_device, Layout, Space};
 //!
 //! # fn main() -> stablebuf::Result<()> {
 //! let ctx = open_device(0)?;
@@ -52,7 +53,8 @@
 //! ## Guarantees
 //! - A slot's address never changes for the life of its space.
 //! - Before memory is unmapped, the GPU work that may use it has finished (see [`FencePolicy`]).
-//! - Replaying a graph while any group of its spaces is unbound is [`Error::Unbound`], never a
+//! - Replaying a graph while any group of its spaces is unbound is
+//!   [`GraphError::Unbound`](crate::error::GraphError::Unbound), never a
 //!   GPU fault.
 //! - Every driver failure is an [`Error`] naming the call; after an error, state is unchanged.
 //! - Drop order: unmap before release, release before freeing the reservation.
@@ -85,7 +87,8 @@
 //! ```text
 //!   error, ids, hash                    leaves
 //!   driver                              the only unsafe: VMM, graphs, launches, host memory, fds
-//!   buffer, fence, host, layout         operands and range checks, waiting, host copies, arithmetic
+//!   buffer, fence, host, layout         operands and range checks, waiting, host copies,
+//! arithmetic
 //!   strategy                            bind cost model (remap or copy)
 //!   kernels, pool, view                 launchers and cuBLAS, elastic memory, typed views
 //!   dataset, region                     backing for one group, tagged regions
@@ -95,12 +98,16 @@
 //! ```
 //!
 //! ## Public surface
-//! The crate root has what a graph-replay loop needs. The modules add: [`buffer`] (the
-//! [`DeviceBuffer`] trait, checked copies, the plain `cuMemAlloc` baseline), [`vmm`] (raw
+//! The crate root has what a graph-replay loop needs (25 names). The modules add:
+//! [`buffer`] (the [`DeviceBuffer`] trait, checked copies, the plain `cuMemAlloc` baseline),
+//! [`device`] (device count, peer access, free memory), [`graph`] (what an update check
+//! reports, node kinds), [`host`] (what a transfer to or from the host reports), [`vmm`] (raw
 //! reservations, chunks and mappings, to build your own layouts or measure the driver floor),
-//! [`kernels`] (the PTX and how it was compiled), [`pool`] (statistics and events of elastic
-//! memory), [`region`], [`share`] (the wire protocol, and [`share::publish`]: weight sets
-//! published to another process) and [`layout`] (placement arithmetic).
+//! [`pool`] (blocks, tenants, statistics and events of elastic memory), [`region`], [`sleep`]
+//! (offloading and restoring groups by tag), [`share`] (sending a dataset to another process,
+//! the wire protocol, and [`share::publish`]: weight sets published to another process),
+//! [`layout`] (placement arithmetic), and with the feature `demo-kernels` [`kernels`] (the demo
+//! matmul and decode kernels and cuBLAS on slots, which the examples, benches and tests use).
 //!
 //! ## Logging
 //! Every driver call runs in a `debug` span of the `tracing` crate named after the call, with
@@ -119,6 +126,9 @@
 //! ## Features
 //! - `timeline` (default): the SVG timelines of pools and regions, drawn with `plotters`.
 //! - `cuda-13000` (default), `cuda-12090`, `cuda-12040`: which CUDA bindings cudarc uses.
+//! - `demo-kernels` (off): the [`kernels`] module, the PTX kernels `build.rs` compiles from
+//!   `kernels/` and cuBLAS on slots. The library itself never launches a kernel; the
+//!   examples, benches and tests turn it on.
 //! - `fault-injection` (off): a test seam in the driver layer that makes chosen driver calls
 //!   fail (`tests/gpu_faults.rs`); not for production builds.
 
@@ -131,41 +141,44 @@ pub mod collective;
 mod dataset;
 #[allow(unsafe_code)] // the one module that wraps the driver; see its docs
 mod driver;
-mod error;
+pub mod error;
 mod fence;
-mod graph;
+pub mod graph;
 mod hash;
-mod host;
+pub mod host;
 mod ids;
+#[cfg(feature = "demo-kernels")]
 pub mod kernels;
 pub mod layout;
 mod pipeline;
 pub mod pool;
 pub mod region;
 pub mod share;
-mod sleep;
+pub mod sleep;
 mod space;
 mod strategy;
 mod view;
+mod vmm_core;
 
 pub use buffer::DeviceBuffer;
 pub use dataset::{Dataset, DatasetSlot, Refill};
-pub use driver::device::{can_access_peer, device_count};
-pub use driver::vmm::Location;
-pub use driver::{driver_present, memory_info, open_device};
+pub use driver::{driver_present, open_device};
 pub use error::{Error, Result};
 pub use fence::FencePolicy;
-pub use graph::{NodeKind, StableGraph, UpdateOutcome, UpdateReport, Work};
-pub use host::{HostArena, HostStorage, StorageUsed, TransferReport};
-pub use kernels::{Blas, Kernels, MatmulKernel, RECOMMENDED_WORKSPACE};
+pub use graph::StableGraph;
+pub use host::{HostArena, HostStorage};
 pub use layout::{Layout, LayoutBuilder, Role};
 pub use pipeline::{Lane, Pipeline};
-pub use pool::{Block, ElasticPool, PoolOptions, PoolStats, Tenant, TenantStats};
-pub use share::{receive_dataset, send_ack, send_dataset, wait_ack};
-pub use sleep::{offload_tagged, restore_tagged};
+pub use pool::{ElasticPool, PoolOptions};
 pub use space::{Slot, Space, SpaceOptions};
 pub use strategy::{BindStrategy, CostModel};
 pub use view::SlotView;
+
+/// The devices: how many there are, whether one reaches another's memory, and free memory.
+pub mod device {
+    pub use crate::driver::device::{can_access_peer, device_count};
+    pub use crate::driver::memory_info;
+}
 
 /// The raw VMM wrappers (reservation, physical memory, mapping), safe RAII types for callers
 /// that want to build their own layouts or measure the driver floor.

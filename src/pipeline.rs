@@ -47,7 +47,7 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 
 use crate::dataset::Dataset;
 use crate::driver;
-use crate::error::{Error, Result};
+use crate::error::{Error, LayoutError, Result};
 use crate::fence::FencePolicy;
 use crate::graph::StableGraph;
 use crate::layout::Layout;
@@ -113,9 +113,9 @@ impl Pipeline {
         W: FnMut(&Arc<CudaStream>) -> Result<()> + Send + 'static,
     {
         if lanes < 2 {
-            return Err(Error::InvalidShape(format!(
+            return Err(Error::Layout(LayoutError::InvalidShape(format!(
                 "a pipeline needs at least 2 lanes, got {lanes}"
-            )));
+            ))));
         }
         let options = options.fence(FencePolicy::AttachedStreams);
         let lanes = (0..lanes)

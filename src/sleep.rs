@@ -43,7 +43,8 @@ pub fn restore_tagged<'a>(
 impl Space {
     /// Puts the space to sleep: every dataset among `datasets` that is bound here is offloaded to
     /// `storage` (unbinding it after the GPU is done with it), and the scratch memory is released
-    /// (its contents are not kept). Replays fail with [`Error::Asleep`](crate::Error::Asleep)
+    /// (its contents are not kept). Replays fail with
+    /// [`GraphError::Asleep`](crate::error::GraphError::Asleep)
     /// until [`Space::wake`]. Datasets bound here but not passed stay bound. No-op if asleep
     /// (the first sleep's record of what to bind at wake is kept).
     ///

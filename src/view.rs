@@ -9,7 +9,7 @@ use cudarc::driver::{
 
 use crate::buffer::DeviceBuffer;
 use crate::driver::{self, interop::impl_kernel_arg};
-use crate::error::{Error, Result};
+use crate::error::{Error, LayoutError, Result};
 
 /// `len` elements of `T` at a slot's address, tied to a stream and to the space or dataset it
 /// came from (`'a`). A cudarc citizen: `memcpy_htod`, `memcpy_dtoh`, `clone_dtoh`,
@@ -79,11 +79,11 @@ impl<T> SlotView<'_, T> {
 pub(crate) fn element_count<T>(slot: &str, bytes: usize) -> Result<usize> {
     let elem = std::mem::size_of::<T>();
     if elem == 0 || !bytes.is_multiple_of(elem) {
-        return Err(Error::ElementSize {
+        return Err(Error::Layout(LayoutError::ElementSize {
             slot: slot.into(),
             bytes,
             elem_bytes: elem,
-        });
+        }));
     }
     Ok(bytes / elem)
 }
@@ -93,11 +93,11 @@ pub(crate) fn element_count<T>(slot: &str, bytes: usize) -> Result<usize> {
 pub(crate) fn require_host_len<T>(slot: &str, slot_bytes: usize, data: &[T]) -> Result<()> {
     let host_bytes = std::mem::size_of_val(data);
     if host_bytes != slot_bytes {
-        return Err(Error::HostLength {
+        return Err(Error::Layout(LayoutError::HostLength {
             slot: slot.into(),
             slot_bytes,
             host_bytes,
-        });
+        }));
     }
     Ok(())
 }
@@ -124,11 +124,11 @@ pub(crate) fn write<T: DeviceRepr>(
     let host_bytes = std::mem::size_of_val(data);
     let slot_bytes = view.len * std::mem::size_of::<T>();
     if data.len() != view.len {
-        return Err(Error::HostLength {
+        return Err(Error::Layout(LayoutError::HostLength {
             slot: slot.into(),
             slot_bytes,
             host_bytes,
-        });
+        }));
     }
     let stream = view.stream.clone();
     driver::traced("cuMemcpyHtoDAsync", host_bytes, || {

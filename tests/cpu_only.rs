@@ -109,7 +109,9 @@ fn ci_builds_the_kernels_with_a_compiler_not_the_fallback() {
 #[test]
 fn opening_a_device_without_a_driver_is_a_typed_error() {
     match stablebuf::open_device(0) {
-        Err(stablebuf::Error::NoDriver) => assert!(!stablebuf::driver_present()),
+        Err(stablebuf::Error::Driver(stablebuf::error::DriverError::NoDriver)) => {
+            assert!(!stablebuf::driver_present())
+        }
         Ok(ctx) => assert!(stablebuf::driver_present() && ctx.ordinal() == 0),
         Err(other) => assert!(
             stablebuf::driver_present(),
@@ -124,11 +126,15 @@ fn device_queries_without_a_driver_are_typed_errors() {
         return; // a machine with a driver answers for real; the GPU suite covers it
     }
     assert!(matches!(
-        stablebuf::device_count(),
-        Err(stablebuf::Error::NoDriver)
+        stablebuf::device::device_count(),
+        Err(stablebuf::Error::Driver(
+            stablebuf::error::DriverError::NoDriver
+        ))
     ));
     assert!(matches!(
-        stablebuf::can_access_peer(0, 1),
-        Err(stablebuf::Error::NoDriver)
+        stablebuf::device::can_access_peer(0, 1),
+        Err(stablebuf::Error::Driver(
+            stablebuf::error::DriverError::NoDriver
+        ))
     ));
 }

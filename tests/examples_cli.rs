@@ -132,7 +132,7 @@ fn without_a_gpu_every_example_says_why_and_fails() {
         eprintln!("a CUDA driver is present: the no-GPU path cannot be exercised here (skipped)");
         return;
     }
-    let message = stablebuf::Error::NoDriver.to_string();
+    let message = stablebuf::Error::Driver(stablebuf::error::DriverError::NoDriver).to_string();
     for (name, binary) in examples() {
         let output = run(&binary, &[], Duration::from_secs(60));
         let all = text(&output);

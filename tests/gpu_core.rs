@@ -9,10 +9,11 @@ use std::time::{Duration, Instant};
 
 use common::{assert_matches, capture_matmul, cpu_matmul, gpu, random_vec, rng, Gpu};
 use stablebuf::cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
-use stablebuf::{
-    memory_info, Dataset, Error, FencePolicy, Layout, MatmulKernel, NodeKind, Space, SpaceOptions,
-    StableGraph, UpdateOutcome,
-};
+use stablebuf::device::memory_info;
+use stablebuf::error::{GraphError, LayoutError};
+use stablebuf::graph::{NodeKind, UpdateOutcome};
+use stablebuf::kernels::MatmulKernel;
+use stablebuf::{Dataset, Error, FencePolicy, Layout, Space, SpaceOptions, StableGraph};
 
 const F32: usize = 4;
 
@@ -115,7 +116,7 @@ fn every_matmul_kernel_matches_the_cpu_reference() {
                         assert_eq!(used == MatmulKernel::RegisterTiled, big);
                     }
                 }
-                Err(Error::InvalidShape(_)) => {
+                Err(Error::Layout(LayoutError::InvalidShape(_))) => {
                     assert_eq!(kind, MatmulKernel::RegisterTiled, "{m}x{n}x{k}")
                 }
                 Err(other) => panic!("{kind:?} {m}x{n}x{k}: {other}"),
@@ -326,24 +327,32 @@ fn replay_while_unbound_is_a_typed_error_and_the_context_stays_usable() {
     };
     let space = Space::new(&gpu.ctx, p.layout()).unwrap();
     let graph = p.capture(&gpu, &space, MatmulKernel::Auto);
-    assert!(matches!(graph.replay(), Err(Error::Unbound { group }) if group == "inputs"));
+    assert!(
+        matches!(graph.replay(), Err(Error::Graph(GraphError::Unbound { group })) if group == "inputs")
+    );
 
     let (first, want_first) = p.dataset(&gpu, &space, &mut rng);
     space.bind(&first).unwrap();
     assert_matches(&p.run(&gpu, &space, &graph), &want_first, p.k, "after bind");
 
     space.unbind("inputs").unwrap();
-    assert!(matches!(graph.replay(), Err(Error::Unbound { .. })));
+    assert!(matches!(
+        graph.replay(),
+        Err(Error::Graph(GraphError::Unbound { .. }))
+    ));
     assert!(matches!(
         space.view::<f32>("a", &gpu.stream),
-        Err(Error::Unbound { .. })
+        Err(Error::Graph(GraphError::Unbound { .. }))
     ));
 
     // Dropping a bound dataset unbinds it.
     space.bind(&first).unwrap();
     drop(first);
     assert_eq!(space.bound_dataset("inputs").unwrap(), None);
-    assert!(matches!(graph.replay(), Err(Error::Unbound { .. })));
+    assert!(matches!(
+        graph.replay(),
+        Err(Error::Graph(GraphError::Unbound { .. }))
+    ));
 
     let (second, want_second) = p.dataset(&gpu, &space, &mut rng);
     space.bind(&second).unwrap();
@@ -370,30 +379,33 @@ fn bad_inputs_are_typed_errors_and_leave_state_intact() {
     space.bind(&data).unwrap();
     let graph = p.capture(&gpu, &space, MatmulKernel::Auto);
 
-    assert!(matches!(space.slot("nope"), Err(Error::UnknownSlot { .. })));
+    assert!(matches!(
+        space.slot("nope"),
+        Err(Error::Layout(LayoutError::UnknownSlot { .. }))
+    ));
     assert!(matches!(
         space.new_dataset("nope"),
-        Err(Error::UnknownGroup { .. })
+        Err(Error::Layout(LayoutError::UnknownGroup { .. }))
     ));
     assert!(matches!(
         data.write(&gpu.stream, "c", &[0f32; 32 * 32]),
-        Err(Error::UnknownSlot { .. })
+        Err(Error::Layout(LayoutError::UnknownSlot { .. }))
     ));
     assert!(matches!(
         data.write(&gpu.stream, "a", &[0f32; 7]),
-        Err(Error::HostLength {
+        Err(Error::Layout(LayoutError::HostLength {
             slot_bytes: 4096,
             host_bytes: 28,
             ..
-        })
+        }))
     ));
     assert!(matches!(
         space.write(&gpu.stream, "c", &[0f32; 3]),
-        Err(Error::HostLength { .. })
+        Err(Error::Layout(LayoutError::HostLength { .. }))
     ));
     assert!(matches!(
         data.view::<[u8; 3]>("a", &gpu.stream),
-        Err(Error::ElementSize { .. })
+        Err(Error::Layout(LayoutError::ElementSize { .. }))
     ));
 
     // A dataset of another layout.
@@ -410,7 +422,7 @@ fn bad_inputs_are_typed_errors_and_leave_state_intact() {
     let foreign = other.new_dataset("inputs").unwrap();
     assert!(matches!(
         space.bind(&foreign),
-        Err(Error::LayoutMismatch { .. })
+        Err(Error::Layout(LayoutError::LayoutMismatch { .. }))
     ));
     assert_eq!(space.bound_dataset("inputs").unwrap(), Some(data.id()));
 
@@ -421,7 +433,7 @@ fn bad_inputs_are_typed_errors_and_leave_state_intact() {
     let held = again.clone();
     let captured = space.capture(&gpu.stream, move |_| inner.bind(&held));
     assert!(
-        matches!(captured, Err(Error::BindDuringCapture)),
+        matches!(captured, Err(Error::Graph(GraphError::BindDuringCapture))),
         "{captured:?}"
     );
     assert!(!gpu.stream.capture_status().is_ok_and(|s| s
@@ -432,12 +444,12 @@ fn bad_inputs_are_typed_errors_and_leave_state_intact() {
     assert!(matches!(
         gpu.kernels
             .matmul(&gpu.stream, MatmulKernel::Tiled, &a, &b, &c, 64, 32, 32),
-        Err(Error::BufferTooSmall { .. })
+        Err(Error::Layout(LayoutError::BufferTooSmall { .. }))
     ));
     assert!(matches!(
         gpu.kernels
             .matmul(&gpu.stream, MatmulKernel::Tiled, &a, &b, &c, 0, 32, 32),
-        Err(Error::InvalidShape(_))
+        Err(Error::Layout(LayoutError::InvalidShape(_)))
     ));
 
     // Nothing above changed what is bound or what the graph computes.
@@ -466,8 +478,14 @@ fn one_dataset_binds_into_several_spaces_with_the_same_layout() {
     assert_matches(&p.run(&gpu, &left, &gl), &want, p.k, "left");
     assert_matches(&p.run(&gpu, &right, &gr), &want, p.k, "right");
     drop(data);
-    assert!(matches!(gl.replay(), Err(Error::Unbound { .. })));
-    assert!(matches!(gr.replay(), Err(Error::Unbound { .. })));
+    assert!(matches!(
+        gl.replay(),
+        Err(Error::Graph(GraphError::Unbound { .. }))
+    ));
+    assert!(matches!(
+        gr.replay(),
+        Err(Error::Graph(GraphError::Unbound { .. }))
+    ));
 }
 
 #[test]

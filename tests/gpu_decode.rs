@@ -14,10 +14,13 @@ use decode::{
     Shape, Weights,
 };
 use rand::{rngs::StdRng, Rng};
+use stablebuf::error::LayoutError;
+use stablebuf::graph::NodeKind;
 use stablebuf::kernels::{
     bf16_from_f32, f32_from_bf16, uniform_bf16, Activation, DecodeKernels, GemmOutput, WeightLayout,
 };
-use stablebuf::{Blas, Error, Layout, NodeKind, Space, RECOMMENDED_WORKSPACE};
+use stablebuf::kernels::{Blas, RECOMMENDED_WORKSPACE};
+use stablebuf::{Error, Layout, Space};
 
 fn random_f32(rng: &mut StdRng, len: usize, scale: f32) -> Vec<f32> {
     (0..len).map(|_| rng.gen_range(-scale..scale)).collect()
@@ -215,20 +218,20 @@ fn decode_kernels_match_the_cpu() {
     // Sizes are checked on the host: nothing launches.
     assert!(matches!(
         dk.bias_act(s, &y, &bias, &small, [rows, cols], Activation::Silu),
-        Err(Error::BufferTooSmall { .. })
+        Err(Error::Layout(LayoutError::BufferTooSmall { .. }))
     ));
     assert!(matches!(
         dk.rms_norm(s, &res, &gamma, &out, [rows, cols], f32::NAN),
-        Err(Error::InvalidShape(_))
+        Err(Error::Layout(LayoutError::InvalidShape(_)))
     ));
     assert!(matches!(
         dk.residual_add(s, &y, &bias, &res, &out, [rows, cols + 1]),
-        Err(Error::BufferTooSmall { .. })
+        Err(Error::Layout(LayoutError::BufferTooSmall { .. }))
     ));
     let tiny = scratch(&gpu, &[("t", 8)]);
     assert!(matches!(
         dk.partial_sums(s, &res, tiny.slot("t").unwrap()),
-        Err(Error::BufferTooSmall { .. })
+        Err(Error::Layout(LayoutError::BufferTooSmall { .. }))
     ));
     s.synchronize().unwrap();
 }
@@ -301,11 +304,11 @@ fn gemm_bf16_matches_the_cpu() {
                 }
                 assert!(matches!(
                     blas.gemm_bf16(&sa, &sb, layout, &sc, output, [m, n + 1, k]),
-                    Err(Error::BufferTooSmall { .. })
+                    Err(Error::Layout(LayoutError::BufferTooSmall { .. }))
                 ));
                 assert!(matches!(
                     blas.gemm_bf16(&sa, &sb, layout, &sc, output, [0, n, k]),
-                    Err(Error::InvalidShape(_))
+                    Err(Error::Layout(LayoutError::InvalidShape(_)))
                 ));
             }
         }

@@ -1,7 +1,8 @@
 //! A driver failure at every call site: each scenario (bind, rebind, copy-in binds, offload and
 //! restore through each storage, space sleep and wake, pool alloc with stitching, drain on
 //! out-of-memory, grow, shrink, free, drain, graft, register, region alloc, sleep, wake,
-//! snapshot and bind, region load and copy switch, IPC export and import, capture, replay, update check) is run once clean
+//! snapshot and bind, region load and copy switch, IPC export and import, capture, replay, update
+//! check) is run once clean
 //! while the fault-injection seam records every driver call it makes; then, for each of those
 //! calls in turn, the scenario is set up afresh and that one call fails
 //! (`CUDA_ERROR_OUT_OF_MEMORY` for calls that create memory, `CUDA_ERROR_LAUNCH_FAILED` for
@@ -31,13 +32,16 @@ use common::leaks::{Baseline, MIB};
 use common::patterns::{self, DeviceRange};
 use common::{gpu, Gpu};
 use stablebuf::cudarc::driver::sys::{CUresult, CUstreamCaptureStatus};
+use stablebuf::error::{DriverError, GraphError, OffloadError, PoolError};
 use stablebuf::fault_injection::{self as inject, Call, Fault, Fired, Handles};
 use stablebuf::pool::BlockInfo;
+use stablebuf::pool::{Block, Tenant};
 use stablebuf::region::{Region, RegionOptions, Snapshot, SwitchStrategy, Switched};
+use stablebuf::share::{receive_dataset, send_dataset};
 use stablebuf::share::{receive_message, Message};
 use stablebuf::{
-    buffer, receive_dataset, send_dataset, BindStrategy, Block, Dataset, ElasticPool, Error,
-    HostArena, HostStorage, Layout, PoolOptions, Result, Space, SpaceOptions, StableGraph, Tenant,
+    buffer, BindStrategy, Dataset, ElasticPool, Error, HostArena, HostStorage, Layout, PoolOptions,
+    Result, Space, SpaceOptions, StableGraph,
 };
 
 const OOM: CUresult = CUresult::CUDA_ERROR_OUT_OF_MEMORY;
@@ -223,13 +227,14 @@ fn is_wait(name: &str) -> bool {
 /// The error names the failed call, or is the out-of-memory error stablebuf builds from it.
 fn names_the_failure(error: &Error, fired: &Fired) -> bool {
     match error {
-        Error::Driver { call, result, .. } => {
+        Error::Driver(DriverError::Failed { call, result, .. }) => {
             *call == fired.call.name && *result == fired.fault.result
         }
-        Error::OutOfMemory { call, .. } => *call == fired.call.name && fired.fault.result == OOM,
-        Error::RestoreOutOfMemory { .. } | Error::PoolOutOfMemory { .. } => {
-            fired.fault.result == OOM
+        Error::Driver(DriverError::OutOfMemory { call, .. }) => {
+            *call == fired.call.name && fired.fault.result == OOM
         }
+        Error::Offload(OffloadError::RestoreOutOfMemory { .. })
+        | Error::Pool(PoolError::PoolOutOfMemory { .. }) => fired.fault.result == OOM,
         _ => false,
     }
 }
@@ -500,7 +505,7 @@ fn d1_or_unbound(fx: &Fx, w: &mut Bound, error: &Error) {
         }
         None => assert!(matches!(
             w.graph.as_ref().unwrap().replay(),
-            Err(Error::Unbound { .. })
+            Err(Error::Graph(GraphError::Unbound { .. }))
         )),
     }
     fx.gpu.stream.synchronize().unwrap();
@@ -516,7 +521,7 @@ fn bind_scenarios() -> Vec<Scenario<Bound>> {
                 assert_eq!(w.space.bound_dataset("g").unwrap(), None);
                 assert!(matches!(
                     w.graph.as_ref().unwrap().replay(),
-                    Err(Error::Unbound { .. })
+                    Err(Error::Graph(GraphError::Unbound { .. }))
                 ));
             },
             |fx, w| {
@@ -538,7 +543,7 @@ fn bind_scenarios() -> Vec<Scenario<Bound>> {
                 assert_eq!(w.space.bound_dataset("g").unwrap(), None);
                 assert!(matches!(
                     w.graph.as_ref().unwrap().replay(),
-                    Err(Error::Unbound { .. })
+                    Err(Error::Graph(GraphError::Unbound { .. }))
                 ));
             },
             |fx, w| {
@@ -657,7 +662,7 @@ fn still_offloaded(_: &Fx, w: &mut Offload, _: &Error) {
     );
     assert!(matches!(
         w.spaces[0].bind(&w.d),
-        Err(Error::Offloaded { .. })
+        Err(Error::Offload(OffloadError::Offloaded { .. }))
     ));
 }
 
@@ -753,7 +758,7 @@ fn sleep_scenarios() -> Vec<Scenario<Bound>> {
                 assert!(!w.d1.is_resident() && !w.dh.is_resident());
                 assert!(matches!(
                     w.graph.as_ref().unwrap().replay(),
-                    Err(Error::Asleep)
+                    Err(Error::Graph(GraphError::Asleep))
                 ));
             },
         ),

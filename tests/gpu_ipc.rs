@@ -16,11 +16,12 @@ use std::time::{Duration, Instant};
 
 use common::{assert_matches, capture_matmul, cpu_matmul, random_vec};
 use rand::{rngs::StdRng, SeedableRng};
+use stablebuf::device::memory_info;
+use stablebuf::error::{DriverError, LayoutError, ShareError};
+use stablebuf::kernels::{Kernels, MatmulKernel};
+use stablebuf::share::{receive_dataset, send_ack, send_dataset, wait_ack};
 use stablebuf::share::{receive_message, send_message, Message, Offer, ProtocolError};
-use stablebuf::{
-    memory_info, open_device, receive_dataset, send_ack, send_dataset, wait_ack, Error, Kernels,
-    Layout, MatmulKernel, Space, SpaceOptions,
-};
+use stablebuf::{open_device, Error, Layout, Space, SpaceOptions};
 
 const PATTERN_LEN: usize = 16 << 20; // u32 elements: 64 MiB
 const M: usize = 128;
@@ -117,7 +118,7 @@ fn producer(role: &str) -> i32 {
             let d = space.new_dataset("data").unwrap();
             send_dataset(&socket, &d).unwrap();
             match wait_ack(&socket, d.id()) {
-                Err(Error::Rejected { reason }) => {
+                Err(Error::Share(ShareError::Rejected { reason })) => {
                     eprintln!("producer: rejected as expected: {reason}");
                     0
                 }
@@ -410,7 +411,7 @@ fn a_mismatched_layout_is_rejected_on_both_sides() {
         let peer = Peer::spawn("mismatch", 0);
         assert!(matches!(
             receive_dataset(&peer.socket, &space),
-            Err(Error::LayoutMismatch { .. })
+            Err(Error::Layout(LayoutError::LayoutMismatch { .. }))
         ));
         peer.finish(); // exits 0 only if it saw the Reject
     });
@@ -423,22 +424,24 @@ fn malformed_messages_foreign_fds_and_a_dying_producer_are_typed_errors() {
         let peer = Peer::spawn("malformed", 0);
         assert!(matches!(
             receive_dataset(&peer.socket, &space),
-            Err(Error::Protocol(ProtocolError::BadMagic))
+            Err(Error::Share(ShareError::Protocol(ProtocolError::BadMagic)))
         ));
         match receive_dataset(&peer.socket, &space) {
-            Err(Error::Driver {
+            Err(Error::Driver(DriverError::Failed {
                 call: "cuMemImportFromShareableHandle",
                 ..
-            }) => {}
+            })) => {}
             other => panic!("a pipe imported as CUDA memory: {other:?}"),
         }
         assert!(matches!(
             receive_dataset(&peer.socket, &space),
-            Err(Error::Protocol(ProtocolError::Truncated { .. }))
+            Err(Error::Share(ShareError::Protocol(
+                ProtocolError::Truncated { .. }
+            )))
         ));
         assert!(matches!(
             receive_message(&peer.socket),
-            Err(Error::Protocol(ProtocolError::Closed))
+            Err(Error::Share(ShareError::Protocol(ProtocolError::Closed)))
         ));
         peer.finish();
     });
@@ -471,7 +474,7 @@ fn a_producer_killed_at_each_protocol_step_leaves_typed_errors_and_no_leak() {
                     check(&dataset); // the memory outlives its maker
                     assert!(matches!(
                         receive_message(&socket),
-                        Err(Error::Protocol(ProtocolError::Closed))
+                        Err(Error::Share(ShareError::Protocol(ProtocolError::Closed)))
                     ));
                 }
                 "offered" => {
@@ -489,11 +492,11 @@ fn a_producer_killed_at_each_protocol_step_leaves_typed_errors_and_no_leak() {
                                 other => panic!("{step}: an ack to a dead producer gave {other:?}"),
                             }
                         }
-                        Err(Error::Driver {
+                        Err(Error::Driver(DriverError::Failed {
                             call: "cuMemImportFromShareableHandle",
                             result,
                             ..
-                        }) => eprintln!(
+                        })) => eprintln!(
                             "consumer: import after the producer died refused: {result:?}"
                         ),
                         Err(other) => panic!("{step}: {other:?}"),
@@ -505,9 +508,17 @@ fn a_producer_killed_at_each_protocol_step_leaves_typed_errors_and_no_leak() {
                     let got = receive_dataset(&socket, &space);
                     let typed = match step {
                         "connected" | "allocated" => {
-                            matches!(got, Err(Error::Protocol(ProtocolError::Closed)))
+                            matches!(
+                                got,
+                                Err(Error::Share(ShareError::Protocol(ProtocolError::Closed)))
+                            )
                         }
-                        _ => matches!(got, Err(Error::Protocol(ProtocolError::Truncated { .. }))),
+                        _ => matches!(
+                            got,
+                            Err(Error::Share(ShareError::Protocol(
+                                ProtocolError::Truncated { .. }
+                            )))
+                        ),
                     };
                     assert!(typed, "{step}: {:?}", got.map(|(_, offer)| offer));
                 }

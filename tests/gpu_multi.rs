@@ -13,16 +13,18 @@ use std::time::{Duration, Instant};
 use common::{random_vec, rng};
 use stablebuf::buffer::copy_between;
 use stablebuf::cudarc::driver::{CudaContext, CudaStream};
+use stablebuf::error::{DriverError, GraphError};
+use stablebuf::kernels::Kernels;
+use stablebuf::vmm::Location;
 use stablebuf::{
-    open_device, Dataset, Error, FencePolicy, HostStorage, Kernels, Layout, Location, Space,
-    SpaceOptions, StableGraph,
+    open_device, Dataset, Error, FencePolicy, HostStorage, Layout, Space, SpaceOptions, StableGraph,
 };
 
 const MIB: usize = 1 << 20;
 
 /// Every visible device (at least two).
 fn devices() -> Vec<Arc<CudaContext>> {
-    let count = stablebuf::device_count().expect("a CUDA driver");
+    let count = stablebuf::device::device_count().expect("a CUDA driver");
     assert!(count >= 2, "this test needs two CUDA GPUs, found {count}");
     (0..count).map(|d| open_device(d).unwrap()).collect()
 }
@@ -229,7 +231,7 @@ fn a_space_shared_by_every_device_sleeps_and_wakes_under_graphs_on_all_of_them()
         .iter()
         .map(|ctx| PeerReader::new(ctx, &space, Duration::ZERO))
         .collect();
-    let free_before = stablebuf::memory_info(&ctxs[0]).unwrap().0;
+    let free_before = stablebuf::device::memory_info(&ctxs[0]).unwrap().0;
     for cycle in 0..3 {
         let index = cycle % 2;
         space.bind(&datasets[index]).unwrap();
@@ -250,7 +252,7 @@ fn a_space_shared_by_every_device_sleeps_and_wakes_under_graphs_on_all_of_them()
         assert!(space.is_asleep());
         for (device, reader) in readers.iter().enumerate() {
             match reader.graph.replay() {
-                Err(Error::Asleep) => {}
+                Err(Error::Graph(GraphError::Asleep)) => {}
                 other => panic!("cycle {cycle}: replay on device {device} while asleep: {other:?}"),
             }
         }
@@ -266,7 +268,7 @@ fn a_space_shared_by_every_device_sleeps_and_wakes_under_graphs_on_all_of_them()
         }
     }
     // Sleep released and wake re-created the memory: no drift on the owner.
-    let free_after = stablebuf::memory_info(&ctxs[0]).unwrap().0;
+    let free_after = stablebuf::device::memory_info(&ctxs[0]).unwrap().0;
     let drift = free_before.abs_diff(free_after);
     assert!(
         drift <= 64 * MIB,
@@ -321,7 +323,7 @@ fn bad_device_input_is_refused_with_typed_errors_and_the_space_still_works() {
     // A device that does not exist: as a device to open, a peer, and a dataset's home.
     assert!(matches!(
         open_device(count),
-        Err(Error::NoSuchDevice { ordinal, count: c }) if ordinal == count && c == count
+        Err(Error::Driver(DriverError::NoSuchDevice { ordinal, count: c })) if ordinal == count && c == count
     ));
     let layout = Layout::builder()
         .group("g")
@@ -331,14 +333,14 @@ fn bad_device_input_is_refused_with_typed_errors_and_the_space_still_works() {
     let options = SpaceOptions::default().peers([count + 3]);
     assert!(matches!(
         Space::with_options(&ctxs[0], layout.clone(), options),
-        Err(Error::NoSuchDevice { ordinal, .. }) if ordinal == count + 3
+        Err(Error::Driver(DriverError::NoSuchDevice { ordinal, .. })) if ordinal == count + 3
     ));
     // A space that grants only its own device.
     let space = Space::new(&ctxs[0], layout).unwrap();
     assert_eq!(space.devices(), [0]);
     assert!(matches!(
         space.new_dataset_at("g", Location::Device(count)),
-        Err(Error::NoSuchDevice { .. })
+        Err(Error::Driver(DriverError::NoSuchDevice { .. }))
     ));
     let stream0 = ctxs[0].new_stream().unwrap();
     let (datasets, data) = random_datasets(&space, &stream0, &mut rng, 2);
@@ -350,7 +352,9 @@ fn bad_device_input_is_refused_with_typed_errors_and_the_space_still_works() {
     match StableGraph::capture(&stream1, &[&space], move |s| {
         kernels1.affine(s, &x, 1.0, 0.0)
     }) {
-        Err(Error::NotGranted { device: 1, granted }) => assert_eq!(granted, [0]),
+        Err(Error::Graph(GraphError::NotGranted { device: 1, granted })) => {
+            assert_eq!(granted, [0])
+        }
         other => panic!("capture on an ungranted device: {other:?}"),
     }
     // A dataset of a space on another device cannot bind here.
@@ -358,10 +362,10 @@ fn bad_device_input_is_refused_with_typed_errors_and_the_space_still_works() {
     let foreign = other.new_dataset("g").unwrap();
     assert!(matches!(
         space.bind(&foreign),
-        Err(Error::ContextMismatch {
+        Err(Error::Driver(DriverError::ContextMismatch {
             expected: 0,
             found: 1
-        })
+        }))
     ));
     // After every refusal the space is as it was: still bound to dataset 0, and it rebinds and
     // replays correctly on its own device.
@@ -373,11 +377,12 @@ fn bad_device_input_is_refused_with_typed_errors_and_the_space_still_works() {
         reader.graph.replay().unwrap();
         check(&reader.read(), &data[index], "after the refusals");
     }
-    // Peers that cannot reach each other give `Error::PeerAccess`; every pair on a machine with
+    // Peers that cannot reach each other give `DriverError::PeerAccess`; every pair on a machine
+    // with
     // NVLink or one PCIe switch can, so say what this machine is instead of passing silently.
     for from in 0..count {
         for to in 0..count {
-            let can = stablebuf::can_access_peer(from, to).unwrap();
+            let can = stablebuf::device::can_access_peer(from, to).unwrap();
             eprintln!("peer access {from} -> {to}: {can}");
         }
     }

@@ -22,9 +22,8 @@ use std::time::Duration;
 use common::{deadline, rng};
 use stablebuf::buffer::copy_between;
 use stablebuf::collective::{Collective, CollectiveId};
-use stablebuf::{
-    open_device, HostArena, HostStorage, Kernels, Layout, Space, SpaceOptions, StableGraph,
-};
+use stablebuf::kernels::Kernels;
+use stablebuf::{open_device, HostArena, HostStorage, Layout, Space, SpaceOptions, StableGraph};
 
 const MIB: usize = 1 << 20;
 const DATASETS: usize = 3;
@@ -225,7 +224,7 @@ fn child_case(spec: &str) {
         Registration::parse(parts.next().unwrap()),
         parts.next().unwrap() == "shareable",
     );
-    let world = stablebuf::device_count().unwrap();
+    let world = stablebuf::device::device_count().unwrap();
     let case = Case { mode, shareable };
     let reports = deadline::within("nccl ranks", Duration::from_secs(120), move || {
         run_case(case, case_data(seed, world))
@@ -248,7 +247,7 @@ fn an_all_reduce_in_a_graph_stays_right_across_rebinds_and_sleep_with_every_regi
     if let Ok(spec) = std::env::var("STABLEBUF_NCCL_CASE") {
         return child_case(&spec);
     }
-    let world = stablebuf::device_count().expect("a CUDA driver");
+    let world = stablebuf::device::device_count().expect("a CUDA driver");
     assert!(world >= 2, "this test needs two CUDA GPUs, found {world}");
     let (library, version) = stablebuf::collective::library().expect("libnccl");
     eprintln!("libnccl {version} from {library}");

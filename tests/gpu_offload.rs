@@ -7,11 +7,13 @@ use std::sync::Arc;
 
 use common::{assert_matches, capture_matmul, cpu_matmul, gpu, random_vec, rng, Gpu};
 use rand::Rng;
+use stablebuf::device::memory_info;
+use stablebuf::error::{GraphError, OffloadError};
+use stablebuf::host::StorageUsed;
+use stablebuf::kernels::MatmulKernel;
+use stablebuf::sleep::{offload_tagged, restore_tagged};
 use stablebuf::vmm::Physical;
-use stablebuf::{
-    memory_info, offload_tagged, restore_tagged, Dataset, Error, HostArena, HostStorage, Layout,
-    MatmulKernel, Space, StorageUsed,
-};
+use stablebuf::{Dataset, Error, HostArena, HostStorage, Layout, Space};
 
 const MIB: usize = 1 << 20;
 
@@ -78,9 +80,12 @@ fn round_trips_are_bit_exact_through_every_storage() {
         );
         assert!(matches!(
             d.read::<u32>(&gpu.stream, "p"),
-            Err(Error::Offloaded { .. })
+            Err(Error::Offload(OffloadError::Offloaded { .. }))
         ));
-        assert!(matches!(space.bind(&d), Err(Error::Offloaded { .. })));
+        assert!(matches!(
+            space.bind(&d),
+            Err(Error::Offload(OffloadError::Offloaded { .. }))
+        ));
         d.restore(&gpu.stream).unwrap();
         assert_eq!(
             read_all(&gpu, &d),
@@ -158,10 +163,13 @@ fn a_graph_captured_before_sleep_replays_after_wake_on_the_same_contents() {
         free_asleep >= free_awake + weights.bytes() + batch.bytes(),
         "sleep released the datasets and scratch"
     );
-    assert!(matches!(graph.replay(), Err(Error::Asleep)));
+    assert!(matches!(
+        graph.replay(),
+        Err(Error::Graph(GraphError::Asleep))
+    ));
     assert!(matches!(
         space.read::<f32>(&gpu.stream, "c"),
-        Err(Error::Asleep)
+        Err(Error::Graph(GraphError::Asleep))
     ));
 
     space.wake([&mut weights, &mut batch], &gpu.stream).unwrap();
@@ -205,7 +213,10 @@ fn replay_while_offloaded_is_a_typed_error_and_works_after_restore() {
         (m, n, k),
     );
     d.offload(&HostStorage::Pageable, &gpu.stream).unwrap();
-    assert!(matches!(graph.replay(), Err(Error::Unbound { .. })));
+    assert!(matches!(
+        graph.replay(),
+        Err(Error::Graph(GraphError::Unbound { .. }))
+    ));
     d.restore(&gpu.stream).unwrap();
     space.bind(&d).unwrap();
     gpu.kernels
@@ -250,7 +261,7 @@ fn a_restore_under_out_of_memory_keeps_the_host_copy_and_succeeds_later() {
         }
     }
     match d.restore(&gpu.stream) {
-        Err(Error::RestoreOutOfMemory { asked, free, .. }) => {
+        Err(Error::Offload(OffloadError::RestoreOutOfMemory { asked, free, .. })) => {
             assert_eq!(asked, d.bytes());
             assert!(free < asked, "free {free}");
         }

@@ -5,7 +5,9 @@ mod common;
 
 use common::{gpu, random_vec, rng};
 use stablebuf::buffer::copy_between;
-use stablebuf::{Error, Layout, Location, Space, SpaceOptions, StableGraph};
+use stablebuf::error::DriverError;
+use stablebuf::vmm::Location;
+use stablebuf::{Error, Layout, Space, SpaceOptions, StableGraph};
 
 const MIB: usize = 1 << 20;
 
@@ -71,7 +73,7 @@ fn a_dataset_in_host_memory_binds_under_device_slots_and_replays_read_it_in_plac
 fn peers_that_do_not_exist_are_typed_errors() {
     let gpu = gpu();
     let layout = Layout::builder().input("x", MIB).build().unwrap();
-    let count = stablebuf::device_count().unwrap();
+    let count = stablebuf::device::device_count().unwrap();
     assert!(count >= 1);
     let missing = count + 3;
     match Space::with_options(
@@ -79,7 +81,7 @@ fn peers_that_do_not_exist_are_typed_errors() {
         layout.clone(),
         SpaceOptions::default().peers([missing]),
     ) {
-        Err(Error::NoSuchDevice { ordinal, count: c }) => {
+        Err(Error::Driver(DriverError::NoSuchDevice { ordinal, count: c })) => {
             assert_eq!((ordinal, c), (missing, count))
         }
         other => panic!("expected NoSuchDevice, got {other:?}"),
@@ -90,7 +92,7 @@ fn peers_that_do_not_exist_are_typed_errors() {
     assert_eq!(space.devices(), [own], "the own device is not listed twice");
     assert!(matches!(
         space.new_dataset_at("data", Location::Device(missing)),
-        Err(Error::NoSuchDevice { .. })
+        Err(Error::Driver(DriverError::NoSuchDevice { .. }))
     ));
-    assert!(stablebuf::can_access_peer(own, own).unwrap());
+    assert!(stablebuf::device::can_access_peer(own, own).unwrap());
 }

@@ -6,8 +6,11 @@ mod common;
 use common::{gpu, random_vec, rng, Gpu};
 use rand::Rng;
 use stablebuf::buffer::LinearBuffer;
+use stablebuf::device::memory_info;
+use stablebuf::error::{GraphError, LayoutError, PoolError};
+use stablebuf::pool::Block;
 use stablebuf::pool::{DrainReason, EventKind};
-use stablebuf::{memory_info, Block, ElasticPool, Error, PoolOptions};
+use stablebuf::{ElasticPool, Error, PoolOptions};
 
 const MIB: usize = 1 << 20;
 const GIB: usize = 1 << 30;
@@ -91,7 +94,7 @@ fn growth_keeps_the_address_and_the_data_and_copies_nothing() {
     // Past the reserved capacity: a typed error, and the block is as it was.
     let before = block.info().unwrap();
     match block.grow(GIB + 1) {
-        Err(Error::BeyondCapacity { asked, capacity }) => {
+        Err(Error::Pool(PoolError::BeyondCapacity { asked, capacity })) => {
             assert_eq!((asked, capacity), (GIB + 1, GIB))
         }
         other => panic!("expected BeyondCapacity, got {other:?}"),
@@ -115,7 +118,10 @@ fn growth_keeps_the_address_and_the_data_and_copies_nothing() {
         mismatches(&gpu, &block, head_words, 300 * MIB / 4 - head_words, seed),
         0
     );
-    assert!(matches!(block.shrink(GIB + 4), Err(Error::InvalidShape(_))));
+    assert!(matches!(
+        block.shrink(GIB + 4),
+        Err(Error::Layout(LayoutError::InvalidShape(_)))
+    ));
     let grows = pool
         .events()
         .iter()
@@ -191,7 +197,7 @@ fn stitched_chunks_form_one_range_that_kernels_read_and_write_end_to_end() {
 /// Returns the blocks that stay.
 fn scatter_small_chunks(
     pool: &ElasticPool,
-    tenant: &stablebuf::Tenant,
+    tenant: &stablebuf::pool::Tenant,
     count: usize,
 ) -> Vec<Block> {
     pool.drain();
@@ -265,12 +271,12 @@ fn drain_and_retry_succeeds_where_a_plain_retry_fails() {
     let asked = 1536 * MIB; // more than is free; the cached chunk is too big to stitch
     for attempt in 0..2 {
         match tenant.alloc(asked) {
-            Err(Error::PoolOutOfMemory {
+            Err(Error::Pool(PoolError::PoolOutOfMemory {
                 asked: a,
                 cached,
                 held,
                 drained,
-            }) => assert_eq!((a, cached, held, drained), (asked, 2 * GIB, 0, 0)),
+            })) => assert_eq!((a, cached, held, drained), (asked, 2 * GIB, 0, 0)),
             other => panic!("attempt {attempt}: expected PoolOutOfMemory, got {other:?}"),
         }
     }
@@ -298,12 +304,12 @@ fn drain_and_retry_succeeds_where_a_plain_retry_fails() {
 
     // When even draining cannot help, the error says what was asked, cached and held.
     match tenant.alloc(4 * GIB) {
-        Err(Error::PoolOutOfMemory {
+        Err(Error::Pool(PoolError::PoolOutOfMemory {
             asked: a,
             held,
             drained,
             ..
-        }) => assert_eq!((a, held, drained), (4 * GIB, asked, 0)),
+        })) => assert_eq!((a, held, drained), (4 * GIB, asked, 0)),
         other => panic!("expected PoolOutOfMemory, got {other:?}"),
     }
     drop((block, filler, tenant));
@@ -330,12 +336,12 @@ fn budgets_and_limits_are_enforced_and_unregistering_frees_everything() {
     let a1 = a.alloc(256 * MIB).unwrap();
     let before = (pool.stats(), a.stats().unwrap());
     match a.alloc(2 * MIB) {
-        Err(Error::OverBudget {
+        Err(Error::Pool(PoolError::OverBudget {
             scope,
             asked,
             limit,
             held,
-        }) => {
+        })) => {
             assert!(scope.contains("`a`"), "{scope}");
             assert_eq!((asked, limit, held), (2 * MIB, 256 * MIB, 256 * MIB));
         }
@@ -350,14 +356,16 @@ fn budgets_and_limits_are_enforced_and_unregistering_frees_everything() {
 
     let b1 = b.alloc(256 * MIB).unwrap();
     match b.alloc(2 * MIB) {
-        Err(Error::OverBudget { scope, limit, .. }) => {
+        Err(Error::Pool(PoolError::OverBudget { scope, limit, .. })) => {
             assert_eq!((scope.as_str(), limit), ("pool budget", 512 * MIB))
         }
         other => panic!("expected the pool budget, got {other:?}"),
     }
     assert_eq!(pool.stats().mapped, 512 * MIB, "no partial allocation");
     match small.alloc(128 * MIB) {
-        Err(Error::VirtualCapacity { capacity, .. }) => assert_eq!(capacity, 64 * MIB),
+        Err(Error::Pool(PoolError::VirtualCapacity { capacity, .. })) => {
+            assert_eq!(capacity, 64 * MIB)
+        }
         other => panic!("expected VirtualCapacity, got {other:?}"),
     }
 
@@ -387,14 +395,17 @@ fn budgets_and_limits_are_enforced_and_unregistering_frees_everything() {
     assert_eq!(b1.len(), 0);
     assert!(matches!(
         b2.read::<f32>(&gpu.stream, 0, 1),
-        Err(Error::TenantGone { .. })
+        Err(Error::Pool(PoolError::TenantGone { .. }))
     ));
     assert!(matches!(
         gpu.kernels.pattern_mismatches(&gpu.stream, &b1, 0, 1, 0),
-        Err(Error::BufferTooSmall { .. })
+        Err(Error::Layout(LayoutError::BufferTooSmall { .. }))
     ));
     let mut b2 = b2;
-    assert!(matches!(b2.grow(GIB), Err(Error::TenantGone { .. })));
+    assert!(matches!(
+        b2.grow(GIB),
+        Err(Error::Pool(PoolError::TenantGone { .. }))
+    ));
     drop((b1, b2)); // freeing after the tenant is gone is a no-op
                     // The context is fine: the cache serves A again.
     let a2 = a.alloc(128 * MIB).unwrap();
@@ -471,11 +482,17 @@ fn a_capture_in_progress_blocks_mapping_and_unmapping() {
         .unwrap();
     assert!(graph.is_some(), "the capture stayed valid");
     assert!(
-        matches!(shrunk, Err(Error::BindDuringCapture)),
+        matches!(shrunk, Err(Error::Graph(GraphError::BindDuringCapture))),
         "{shrunk:?}"
     );
-    assert!(matches!(grown, Err(Error::BindDuringCapture)), "{grown:?}");
-    assert!(matches!(freed_tenant_blocks, Err(Error::BindDuringCapture)));
+    assert!(
+        matches!(grown, Err(Error::Graph(GraphError::BindDuringCapture))),
+        "{grown:?}"
+    );
+    assert!(matches!(
+        freed_tenant_blocks,
+        Err(Error::Graph(GraphError::BindDuringCapture))
+    ));
     // Never launched, so the block holds what it held, all of it still mapped.
     assert_eq!(block.len(), 128 * MIB);
     assert_eq!(mismatches(&gpu, &block, 0, 32 * MIB, 11), 0);
@@ -500,7 +517,10 @@ fn a_graft_moves_the_donors_bytes_under_the_target_without_a_copy() {
     assert_eq!(new.address(), address, "the target keeps its address");
     assert_eq!(new.len(), new_len);
     assert_eq!(old.len(), 0, "the donor holds nothing");
-    assert!(matches!(old.info(), Err(Error::TenantGone { .. })));
+    assert!(matches!(
+        old.info(),
+        Err(Error::Pool(PoolError::TenantGone { .. }))
+    ));
     assert_eq!(
         mismatches(&gpu, &new, 0, old_len / 4, seed),
         0,
@@ -534,7 +554,10 @@ fn a_graft_moves_the_donors_bytes_under_the_target_without_a_copy() {
     let mut third = tenant.alloc(old_len).unwrap();
     let mut small = tenant.alloc(64 * MIB).unwrap();
     assert!(
-        matches!(small.graft(&mut third), Err(Error::InvalidShape(_))),
+        matches!(
+            small.graft(&mut third),
+            Err(Error::Layout(LayoutError::InvalidShape(_)))
+        ),
         "donor too long"
     );
     assert_eq!(third.len(), old_len, "a refused graft changes nothing");

@@ -26,10 +26,15 @@ use common::patterns::DeviceRange;
 use common::{gpu, rng, Gpu};
 use rand::rngs::StdRng;
 use rand::Rng;
+use stablebuf::error::{
+    DriverError, GraphError, LayoutError, OffloadError, PoolError, RegionError,
+};
+use stablebuf::host::StorageUsed;
+use stablebuf::pool::{Block, Tenant};
 use stablebuf::region::{Region, RegionOptions, Snapshot, SwitchStrategy, Switched};
 use stablebuf::{
-    buffer, BindStrategy, Block, Dataset, DeviceBuffer, ElasticPool, Error, FencePolicy, HostArena,
-    HostStorage, Layout, PoolOptions, Space, SpaceOptions, StableGraph, StorageUsed, Tenant,
+    buffer, BindStrategy, Dataset, DeviceBuffer, ElasticPool, Error, FencePolicy, HostArena,
+    HostStorage, Layout, PoolOptions, Space, SpaceOptions, StableGraph,
 };
 
 const W_BYTES: usize = 3 * MIB + 4;
@@ -88,16 +93,16 @@ enum Want {
 
 fn is(error: &Error, want: &Want) -> bool {
     match (error, want) {
-        (Error::Unbound { group }, Want::Unbound(g)) => group == g,
-        (Error::Asleep, Want::Asleep) => true,
-        (Error::Offloaded { dataset }, Want::Offloaded(id)) => dataset == id,
-        (Error::RegionAsleep { .. }, Want::RegionAsleep) => true,
-        (Error::SnapshotMismatch { .. }, Want::SnapshotMismatch) => true,
-        (Error::TenantGone { .. }, Want::TenantGone) => true,
-        (Error::BeyondCapacity { .. }, Want::BeyondCapacity) => true,
-        (Error::InvalidShape(_), Want::InvalidShape) => true,
-        (Error::OverBudget { .. }, Want::OverBudget) => true,
-        (Error::UnknownAllocation { .. }, Want::UnknownAllocation) => true,
+        (Error::Graph(GraphError::Unbound { group }), Want::Unbound(g)) => group == g,
+        (Error::Graph(GraphError::Asleep), Want::Asleep) => true,
+        (Error::Offload(OffloadError::Offloaded { dataset }), Want::Offloaded(id)) => dataset == id,
+        (Error::Region(RegionError::RegionAsleep { .. }), Want::RegionAsleep) => true,
+        (Error::Region(RegionError::SnapshotMismatch { .. }), Want::SnapshotMismatch) => true,
+        (Error::Pool(PoolError::TenantGone { .. }), Want::TenantGone) => true,
+        (Error::Pool(PoolError::BeyondCapacity { .. }), Want::BeyondCapacity) => true,
+        (Error::Layout(LayoutError::InvalidShape(_)), Want::InvalidShape) => true,
+        (Error::Pool(PoolError::OverBudget { .. }), Want::OverBudget) => true,
+        (Error::Region(RegionError::UnknownAllocation { .. }), Want::UnknownAllocation) => true,
         _ => false,
     }
 }
@@ -620,10 +625,10 @@ impl World {
         let g = match (captured, unmapped) {
             (Ok(g), false) => g,
             (
-                Err(Error::Driver {
+                Err(Error::Driver(DriverError::Failed {
                     call: "cuMemcpyDtoDAsync",
                     ..
-                }),
+                })),
                 true,
             ) => {
                 return Ok("capture over unmapped memory refused, as predicted".to_string());
@@ -1023,7 +1028,7 @@ impl World {
                 blk.b.len()
             );
             ensure!(
-                matches!(blk.b.info(), Err(Error::TenantGone { .. })),
+                matches!(blk.b.info(), Err(Error::Pool(PoolError::TenantGone { .. }))),
                 "gone block info"
             );
             return Ok(());
@@ -1930,10 +1935,10 @@ impl World {
                         Ok("update check".into())
                     }
                     (
-                        Err(Error::Driver {
+                        Err(Error::Driver(DriverError::Failed {
                             call: "cuMemcpyDtoDAsync",
                             ..
-                        }),
+                        })),
                         true,
                     ) => Ok("update check over unmapped memory refused, as predicted".into()),
                     (Ok(_), true) => Err("an update check over unmapped memory succeeded".into()),

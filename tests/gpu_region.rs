@@ -8,10 +8,11 @@ use common::{gpu, rng, Gpu};
 use rand::Rng;
 use stablebuf::buffer::LinearBuffer;
 use stablebuf::cudarc::driver::sys::CUdeviceptr;
+use stablebuf::device::memory_info;
+use stablebuf::error::{GraphError, OffloadError, RegionError};
+use stablebuf::host::StorageUsed;
 use stablebuf::region::{Region, RegionOptions};
-use stablebuf::{
-    memory_info, DeviceBuffer, Error, HostArena, HostStorage, StableGraph, StorageUsed,
-};
+use stablebuf::{DeviceBuffer, Error, HostArena, HostStorage, StableGraph};
 
 const MIB: usize = 1 << 20;
 
@@ -92,9 +93,12 @@ fn allocations_sit_side_by_side_and_sleep_wake_round_trips_are_bit_exact() {
         assert!(region.is_asleep());
         assert!(matches!(
             region.check_replayable(),
-            Err(Error::RegionAsleep { .. })
+            Err(Error::Region(RegionError::RegionAsleep { .. }))
         ));
-        assert!(matches!(region.alloc(MIB), Err(Error::RegionAsleep { .. })));
+        assert!(matches!(
+            region.alloc(MIB),
+            Err(Error::Region(RegionError::RegionAsleep { .. }))
+        ));
         region.wake(&gpu.stream).unwrap();
         assert_eq!(
             region.stats().mappings,
@@ -162,11 +166,11 @@ fn allocations_inside_the_woken_span_need_no_new_memory_and_frees_while_asleep_a
     region.free(a).unwrap();
     assert!(matches!(
         region.free(a),
-        Err(Error::UnknownAllocation { .. })
+        Err(Error::Region(RegionError::UnknownAllocation { .. }))
     ));
     assert!(matches!(
         region.free(c + 4),
-        Err(Error::UnknownAllocation { .. })
+        Err(Error::Region(RegionError::UnknownAllocation { .. }))
     ));
     assert_eq!(
         read(&gpu, &region, c, 8 * MIB),
@@ -234,7 +238,7 @@ fn a_snapshot_bound_over_a_longer_allocation_in_the_same_granules_reads_its_own_
     region.sleep(&HostStorage::Pageable, &gpu.stream).unwrap();
     assert!(matches!(
         region.snapshot(&gpu.stream),
-        Err(Error::RegionAsleep { .. })
+        Err(Error::Region(RegionError::RegionAsleep { .. }))
     ));
     region.wake(&gpu.stream).unwrap();
     read_all("after a pageable sleep, a refused snapshot and a wake");
@@ -299,7 +303,7 @@ fn a_graph_captured_once_replays_on_each_bound_snapshot() {
     region.unbind().unwrap();
     assert!(matches!(
         region.check_replayable(),
-        Err(Error::Unbound { .. })
+        Err(Error::Graph(GraphError::Unbound { .. }))
     ));
     region.bind(&copy).unwrap();
     region.check_replayable().unwrap();
@@ -308,12 +312,12 @@ fn a_graph_captured_once_replays_on_each_bound_snapshot() {
     let foreign = other.snapshot(&gpu.stream).unwrap();
     assert!(matches!(
         region.bind(&foreign),
-        Err(Error::SnapshotMismatch { .. })
+        Err(Error::Region(RegionError::SnapshotMismatch { .. }))
     ));
     region.alloc(bytes).unwrap(); // past the snapshots' span
     assert!(matches!(
         region.bind(&live),
-        Err(Error::SnapshotMismatch { .. })
+        Err(Error::Region(RegionError::SnapshotMismatch { .. }))
     ));
     let mut got = vec![0f32; words];
     region.read_into(&gpu.stream, x, &mut got).unwrap();
@@ -344,7 +348,9 @@ fn a_wake_without_room_keeps_the_host_copy_and_a_retry_works() {
         }
     }
     match region.wake(&gpu.stream) {
-        Err(Error::RestoreOutOfMemory { asked, .. }) => assert_eq!(asked, bytes),
+        Err(Error::Offload(OffloadError::RestoreOutOfMemory { asked, .. })) => {
+            assert_eq!(asked, bytes)
+        }
         other => panic!("expected RestoreOutOfMemory, got {other:?}"),
     }
     assert!(region.is_asleep(), "still asleep with its host copy");

@@ -18,6 +18,7 @@ use common::{gpu, Gpu};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use stablebuf::buffer::copy_between;
 use stablebuf::cudarc::driver::sys::CUdeviceptr;
+use stablebuf::error::{RegionError, ShareError};
 use stablebuf::region::{Region, RegionOptions, Snapshot};
 use stablebuf::share::publish::{
     self, offer_weight_set, receive_plain, receive_weight_set, wait_set_ack, Expectation,
@@ -277,7 +278,7 @@ fn export_child() {
             // Hold the set until the engine lets go of the connection.
             assert!(matches!(
                 receive_plain(&socket),
-                Err(Error::Protocol(ProtocolError::Closed))
+                Err(Error::Share(ShareError::Protocol(ProtocolError::Closed)))
             ));
         }
         "picky" => {
@@ -291,12 +292,16 @@ fn export_child() {
             }
             let got = receive_weight_set(&socket, &ctx, &expect);
             let typed = match (field.as_str(), &got) {
-                ("device", Err(Error::DeviceMismatch { .. })) => true,
-                ("fingerprint", Err(Error::OfferMismatch { what, .. })) => {
+                ("device", Err(Error::Share(ShareError::DeviceMismatch { .. }))) => true,
+                ("fingerprint", Err(Error::Share(ShareError::OfferMismatch { what, .. }))) => {
                     *what == "layout fingerprint"
                 }
-                ("bytes", Err(Error::OfferMismatch { what, .. })) => *what == "bytes",
-                ("tag", Err(Error::OfferMismatch { what, .. })) => *what == "tag",
+                ("bytes", Err(Error::Share(ShareError::OfferMismatch { what, .. }))) => {
+                    *what == "bytes"
+                }
+                ("tag", Err(Error::Share(ShareError::OfferMismatch { what, .. }))) => {
+                    *what == "tag"
+                }
                 _ => false,
             };
             assert!(typed, "{field}: {:?}", got.map(|(_, offer)| offer));
@@ -392,7 +397,7 @@ fn a_sleeping_engine_wakes_straight_onto_a_published_set() {
     ));
     assert!(matches!(
         engine.region.bind(&engine.spare),
-        Err(Error::RegionAsleep { .. })
+        Err(Error::Region(RegionError::RegionAsleep { .. }))
     ));
     engine.region.wake_onto(&engine.spare).unwrap();
     assert!(!engine.region.is_asleep());
@@ -400,7 +405,7 @@ fn a_sleeping_engine_wakes_straight_onto_a_published_set() {
     engine.replay_and_check(&weights(seed + 1), "woken onto the published set");
     assert!(matches!(
         engine.region.wake_onto(&engine.spare),
-        Err(Error::SnapshotMismatch { .. })
+        Err(Error::Region(RegionError::SnapshotMismatch { .. }))
     ));
     trainer.finish();
 }
@@ -423,7 +428,9 @@ fn offers_that_differ_are_refused_naming_the_field_and_change_nothing() {
             trainer.offer(&engine)
         };
         match answer {
-            Err(Error::Rejected { reason }) => eprintln!("{field}: rejected: {reason}"),
+            Err(Error::Share(ShareError::Rejected { reason })) => {
+                eprintln!("{field}: rejected: {reason}")
+            }
             other => panic!("{field}: expected a rejection, got {other:?}"),
         }
         trainer.finish(); // exits 0 only if it saw the matching typed error
@@ -461,7 +468,7 @@ fn a_trainer_killed_mid_write_leaves_the_old_set_serving_and_the_set_reusable() 
     trainer.kill();
     assert!(matches!(
         receive_plain(&socket),
-        Err(Error::Protocol(ProtocolError::Closed))
+        Err(Error::Share(ShareError::Protocol(ProtocolError::Closed)))
     ));
     assert!(engine.region.bound().unwrap().same_as(&engine.original));
     engine.replay_and_check(&engine.first, "after the trainer died");

@@ -6,10 +6,10 @@ mod common;
 use std::sync::Arc;
 
 use common::{assert_matches, capture_matmul, cpu_matmul, gpu, random_vec, rng};
-use stablebuf::{
-    BindStrategy, Blas, CostModel, Dataset, Error, Layout, MatmulKernel, NodeKind, Pipeline, Space,
-    SpaceOptions, RECOMMENDED_WORKSPACE,
-};
+use stablebuf::error::{GraphError, LayoutError};
+use stablebuf::graph::NodeKind;
+use stablebuf::kernels::{Blas, MatmulKernel, RECOMMENDED_WORKSPACE};
+use stablebuf::{BindStrategy, CostModel, Dataset, Error, Layout, Pipeline, Space, SpaceOptions};
 
 const F32: usize = 4;
 
@@ -52,7 +52,10 @@ fn copy_in_groups_compute_on_each_bound_dataset_and_copy_outputs_out() {
         MatmulKernel::Auto,
         (m, n, k),
     );
-    assert!(matches!(graph.replay(), Err(Error::Unbound { .. })));
+    assert!(matches!(
+        graph.replay(),
+        Err(Error::Graph(GraphError::Unbound { .. }))
+    ));
 
     for round in 0..6 {
         let (data, want) = &sets[round % 3];
@@ -82,10 +85,13 @@ fn copy_in_groups_compute_on_each_bound_dataset_and_copy_outputs_out() {
     assert_eq!(space.bound_dataset("io").unwrap(), Some(sets[2].0.id()));
     assert!(matches!(
         space.copy_out(&sets[0].0, &gpu.stream),
-        Err(Error::Unbound { .. })
+        Err(Error::Graph(GraphError::Unbound { .. }))
     ));
     space.unbind("io").unwrap();
-    assert!(matches!(graph.replay(), Err(Error::Unbound { .. })));
+    assert!(matches!(
+        graph.replay(),
+        Err(Error::Graph(GraphError::Unbound { .. }))
+    ));
 }
 
 #[test]
@@ -268,7 +274,7 @@ fn cublas_sgemm_captures_as_kernels_only_and_replays_on_rebound_data() {
     );
     assert!(matches!(
         blas.sgemm(&a, &b, &c, m + 1, n, k),
-        Err(Error::BufferTooSmall { .. })
+        Err(Error::Layout(LayoutError::BufferTooSmall { .. }))
     ));
     let sets: Vec<(Dataset, Vec<f32>)> = (0..2)
         .map(|_| {

@@ -15,8 +15,10 @@ use rand::rngs::StdRng;
 use rand::Rng;
 use stablebuf::buffer::copy_between;
 use stablebuf::cudarc::driver::sys::CUdeviceptr;
+use stablebuf::device::memory_info;
+use stablebuf::error::{GraphError, RegionError};
 use stablebuf::region::{Region, RegionOptions, Snapshot, SwitchStrategy, Switched};
-use stablebuf::{memory_info, CostModel, DeviceBuffer, Error, HostStorage, StableGraph};
+use stablebuf::{CostModel, DeviceBuffer, Error, HostStorage, StableGraph};
 
 const MIB: usize = 1 << 20;
 
@@ -395,12 +397,12 @@ fn load_copies_over_the_bound_set_and_every_refusal_is_typed_and_changes_nothing
     let foreign = other.snapshot(&gpu.stream).unwrap();
     assert!(matches!(
         w.region.load(&foreign, &gpu.stream),
-        Err(Error::SnapshotMismatch { .. })
+        Err(Error::Region(RegionError::SnapshotMismatch { .. }))
     ));
     for strategy in strategies {
         assert!(matches!(
             w.region.switch_to(&foreign, strategy, &gpu.stream),
-            Err(Error::SnapshotMismatch { .. })
+            Err(Error::Region(RegionError::SnapshotMismatch { .. }))
         ));
     }
     unchanged("another region's set", 0);
@@ -422,11 +424,14 @@ fn load_copies_over_the_bound_set_and_every_refusal_is_typed_and_changes_nothing
                 let mut refused = refused.lock().unwrap();
                 refused.push(matches!(
                     region.load(&set, s),
-                    Err(Error::BindDuringCapture)
+                    Err(Error::Graph(GraphError::BindDuringCapture))
                 ));
                 for strategy in strategies {
                     let result = region.switch_to(&set, strategy, s);
-                    refused.push(matches!(result, Err(Error::BindDuringCapture)));
+                    refused.push(matches!(
+                        result,
+                        Err(Error::Graph(GraphError::BindDuringCapture))
+                    ));
                 }
             }
             kernels.fill(s, &out, 1.0)
@@ -458,7 +463,7 @@ fn load_copies_over_the_bound_set_and_every_refusal_is_typed_and_changes_nothing
     w.region.unbind().unwrap();
     assert!(matches!(
         w.region.load(&sets[1], &gpu.stream),
-        Err(Error::Unbound { .. })
+        Err(Error::Graph(GraphError::Unbound { .. }))
     ));
     assert!(w.region.bound().is_none());
     assert_eq!(
@@ -475,12 +480,12 @@ fn load_copies_over_the_bound_set_and_every_refusal_is_typed_and_changes_nothing
     w.region.sleep(&HostStorage::Pageable, &gpu.stream).unwrap();
     assert!(matches!(
         w.region.load(&sets[1], &gpu.stream),
-        Err(Error::RegionAsleep { .. })
+        Err(Error::Region(RegionError::RegionAsleep { .. }))
     ));
     for strategy in strategies {
         assert!(matches!(
             w.region.switch_to(&sets[1], strategy, &gpu.stream),
-            Err(Error::RegionAsleep { .. })
+            Err(Error::Region(RegionError::RegionAsleep { .. }))
         ));
     }
     assert!(w.region.is_asleep());
@@ -498,12 +503,12 @@ fn load_copies_over_the_bound_set_and_every_refusal_is_typed_and_changes_nothing
     for set in &sets[1..] {
         assert!(matches!(
             w.region.load(set, &gpu.stream),
-            Err(Error::SnapshotMismatch { .. })
+            Err(Error::Region(RegionError::SnapshotMismatch { .. }))
         ));
         for strategy in strategies {
             assert!(matches!(
                 w.region.switch_to(set, strategy, &gpu.stream),
-                Err(Error::SnapshotMismatch { .. })
+                Err(Error::Region(RegionError::SnapshotMismatch { .. }))
             ));
         }
     }
@@ -512,12 +517,12 @@ fn load_copies_over_the_bound_set_and_every_refusal_is_typed_and_changes_nothing
     assert!(longer.bytes() > sets[1].bytes());
     assert!(matches!(
         w.region.load(&sets[1], &gpu.stream),
-        Err(Error::SnapshotMismatch { .. })
+        Err(Error::Region(RegionError::SnapshotMismatch { .. }))
     ));
     for strategy in strategies {
         assert!(matches!(
             w.region.switch_to(&sets[1], strategy, &gpu.stream),
-            Err(Error::SnapshotMismatch { .. })
+            Err(Error::Region(RegionError::SnapshotMismatch { .. }))
         ));
     }
     assert!(

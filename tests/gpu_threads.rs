@@ -12,10 +12,12 @@ use common::leaks::{Baseline, MIB};
 use common::{gpu, rng};
 use rand::{Rng, SeedableRng};
 use stablebuf::cudarc::driver::CudaStream;
+use stablebuf::error::{GraphError, OffloadError, RegionError};
+use stablebuf::kernels::Kernels;
 use stablebuf::region::{Region, RegionOptions};
 use stablebuf::{
-    buffer, Dataset, ElasticPool, Error, FencePolicy, HostArena, HostStorage, Kernels, Layout,
-    PoolOptions, Space, SpaceOptions, StableGraph,
+    buffer, Dataset, ElasticPool, Error, FencePolicy, HostArena, HostStorage, Layout, PoolOptions,
+    Space, SpaceOptions, StableGraph,
 };
 
 const LIMIT: Duration = Duration::from_secs(120);
@@ -257,7 +259,10 @@ fn offload_and_restore_race_binds_and_replays_of_the_same_space() {
                         HostStorage::Pageable
                     };
                     d1.offload(&storage, &s1).unwrap();
-                    assert!(matches!(space.bind(&d1), Err(Error::Offloaded { .. })));
+                    assert!(matches!(
+                        space.bind(&d1),
+                        Err(Error::Offload(OffloadError::Offloaded { .. }))
+                    ));
                     d1.restore(&s1).unwrap();
                     space.bind(&d1).unwrap();
                 }
@@ -280,7 +285,7 @@ fn offload_and_restore_race_binds_and_replays_of_the_same_space() {
                         );
                     }
                     // The offload took d1 out between our bind (already replaced) and the replay.
-                    Err(Error::Unbound { .. }) => unbound += 1,
+                    Err(Error::Graph(GraphError::Unbound { .. })) => unbound += 1,
                     Err(other) => panic!("replay: {other}"),
                 }
             }
@@ -332,14 +337,18 @@ fn regions_used_from_four_threads_while_a_fifth_sleeps_and_wakes_them() {
                                 match region.alloc(words * 4) {
                                     Ok(address) => match region.write(&stream, address, &data) {
                                         Ok(()) => live.push((address, data)),
-                                        Err(Error::RegionAsleep { .. }) => {
+                                        Err(Error::Region(RegionError::RegionAsleep {
+                                            ..
+                                        })) => {
                                             // Asleep between alloc and write: try later.
                                             asleep_refusals += 1;
                                             region.free(address).unwrap();
                                         }
                                         Err(other) => panic!("write: {other}"),
                                     },
-                                    Err(Error::RegionAsleep { .. }) => asleep_refusals += 1,
+                                    Err(Error::Region(RegionError::RegionAsleep { .. })) => {
+                                        asleep_refusals += 1
+                                    }
                                     Err(other) => panic!("alloc: {other}"),
                                 }
                             } else {
@@ -357,7 +366,9 @@ fn regions_used_from_four_threads_while_a_fifth_sleeps_and_wakes_them() {
                                     Ok(()) => {
                                         assert!(out == *data, "thread {thread}: contents changed")
                                     }
-                                    Err(Error::RegionAsleep { .. }) => asleep_refusals += 1,
+                                    Err(Error::Region(RegionError::RegionAsleep { .. })) => {
+                                        asleep_refusals += 1
+                                    }
                                     Err(other) => panic!("read: {other}"),
                                 }
                             }

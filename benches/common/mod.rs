@@ -16,7 +16,8 @@ use std::time::{Duration, Instant};
 
 use criterion::Criterion;
 use stablebuf::cudarc::driver::{CudaContext, CudaStream};
-use stablebuf::{driver_present, open_device, Kernels};
+use stablebuf::kernels::Kernels;
+use stablebuf::{driver_present, open_device};
 
 pub struct Gpu {
     pub ctx: Arc<CudaContext>,

@@ -25,10 +25,11 @@ use std::time::Instant;
 
 use stablebuf::buffer::{copy_between, LinearBuffer};
 use stablebuf::cudarc::driver::{sys::CUevent_flags, CudaContext, CudaEvent, CudaStream};
+use stablebuf::error::LayoutError;
+use stablebuf::graph::NodeKind;
+use stablebuf::kernels::Blas;
 use stablebuf::kernels::{f32_from_bf16, DecodeKernels};
-use stablebuf::{
-    Blas, Dataset, Error, Layout, NodeKind, Pipeline, Result, Space, SpaceOptions, StableGraph,
-};
+use stablebuf::{Dataset, Error, Layout, Pipeline, Result, Space, SpaceOptions, StableGraph};
 
 use super::{compare, fill_input, forward, rms, work, Acts, Raw, Shape, Weights};
 
@@ -113,10 +114,10 @@ impl<'a> Setup<'a> {
         sets: &'a [Dataset],
     ) -> Result<Self> {
         if sets.len() < 2 {
-            return Err(Error::InvalidShape(format!(
+            return Err(Error::Layout(LayoutError::InvalidShape(format!(
                 "the decode loops need at least 2 weight sets, got {}",
                 sets.len()
-            )));
+            ))));
         }
         let main = ctx.new_stream()?;
         main_space.bind(&sets[0])?;
@@ -367,7 +368,11 @@ impl Variant for LaneSteps<'_> {
             }
             set
         } else {
-            held.ok_or_else(|| Error::InvalidShape("a lane holds no known weight set".into()))?
+            held.ok_or_else(|| {
+                Error::Layout(LayoutError::InvalidShape(
+                    "a lane holds no known weight set".into(),
+                ))
+            })?
         };
         let lane = shared.pipeline.step(&[&self.sets[set]])?;
         let out = StepOut {
@@ -608,10 +613,10 @@ impl Runner {
         batch: usize,
     ) -> Result<Chunk> {
         if len == 0 || len > self.events.len() {
-            return Err(Error::InvalidShape(format!(
+            return Err(Error::Layout(LayoutError::InvalidShape(format!(
                 "a chunk of {len} steps (1..={} fit)",
                 self.events.len()
-            )));
+            ))));
         }
         let bytes = batch * self.hidden * BF16;
         // Poisoned, so a step whose output never arrived reads as NaN, not as an old value.

@@ -26,7 +26,8 @@ use stablebuf::cudarc::driver::{sys, CudaStream};
 use stablebuf::kernels::{
     bf16_from_f32, f32_from_bf16, uniform_bf16, Activation, DecodeKernels, GemmOutput, WeightLayout,
 };
-use stablebuf::{Blas, Dataset, DeviceBuffer, Layout, Result, Space, RECOMMENDED_WORKSPACE};
+use stablebuf::kernels::{Blas, RECOMMENDED_WORKSPACE};
+use stablebuf::{Dataset, DeviceBuffer, Layout, Result, Space};
 
 /// RMSNorm's epsilon.
 pub const EPS: f32 = 1e-5;

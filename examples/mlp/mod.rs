@@ -5,9 +5,8 @@
 use std::sync::Arc;
 
 use stablebuf::cudarc::driver::{sys, CudaStream};
-use stablebuf::{
-    Blas, DeviceBuffer, Kernels, Layout, MatmulKernel, Result, Slot, Space, RECOMMENDED_WORKSPACE,
-};
+use stablebuf::kernels::{Blas, Kernels, MatmulKernel, RECOMMENDED_WORKSPACE};
+use stablebuf::{DeviceBuffer, Layout, Result, Slot, Space};
 
 #[derive(Clone, Copy)]
 pub struct Shape {

@@ -2,6 +2,9 @@
 //! `cudaError_t` a runtime caller expects, the `CUresult` a driver caller expects, or one of the
 //! layer's own `STABLEBUF_*` codes (see `include/stablebuf_preload.h`).
 
+use stablebuf::error::{
+    DriverError, GraphError, LayoutError, OffloadError, PoolError, RegionError,
+};
 use std::fmt;
 
 /// `cudaError_t` values the layer returns.
@@ -207,27 +210,29 @@ pub fn runtime_from_driver(result: i32) -> i32 {
 
 impl From<&stablebuf::Error> for Fail {
     fn from(error: &stablebuf::Error) -> Self {
-        use stablebuf::Error as E;
+        use stablebuf::Error;
         let what = error.to_string();
         match error {
             _ if error.is_out_of_memory() => Fail::OutOfMemory(what),
-            E::OverBudget { .. } | E::VirtualCapacity { .. } | E::RestoreOutOfMemory { .. } => {
-                Fail::OutOfMemory(what)
-            }
-            E::HostOutOfMemory { .. } => Fail::OutOfMemory(what),
-            E::Driver { result, .. } => Fail::Driver {
+            Error::Pool(PoolError::OverBudget { .. })
+            | Error::Pool(PoolError::VirtualCapacity { .. })
+            | Error::Offload(OffloadError::RestoreOutOfMemory { .. }) => Fail::OutOfMemory(what),
+            Error::Offload(OffloadError::HostOutOfMemory { .. }) => Fail::OutOfMemory(what),
+            Error::Driver(DriverError::Failed { result, .. }) => Fail::Driver {
                 result: *result as i32,
                 what,
             },
-            E::NoDriver => Fail::NoDriver,
-            E::BindDuringCapture => Fail::Capturing(what),
-            E::InvalidShape(_)
-            | E::BufferTooSmall { .. }
-            | E::BeyondCapacity { .. }
-            | E::UnknownAllocation { .. }
-            | E::SnapshotMismatch { .. }
-            | E::EmptyName => Fail::InvalidValue(what),
-            E::Asleep | E::Unbound { .. } | E::RegionAsleep { .. } => Fail::NotPermitted(what),
+            Error::Driver(DriverError::NoDriver) => Fail::NoDriver,
+            Error::Graph(GraphError::BindDuringCapture) => Fail::Capturing(what),
+            Error::Layout(LayoutError::InvalidShape(_))
+            | Error::Layout(LayoutError::BufferTooSmall { .. })
+            | Error::Pool(PoolError::BeyondCapacity { .. })
+            | Error::Region(RegionError::UnknownAllocation { .. })
+            | Error::Region(RegionError::SnapshotMismatch { .. })
+            | Error::Layout(LayoutError::EmptyName) => Fail::InvalidValue(what),
+            Error::Graph(GraphError::Asleep)
+            | Error::Graph(GraphError::Unbound { .. })
+            | Error::Region(RegionError::RegionAsleep { .. }) => Fail::NotPermitted(what),
             _ => Fail::Internal(what),
         }
     }
@@ -253,48 +258,57 @@ mod tests {
 
     #[test]
     fn stablebuf_errors_are_classified() {
-        let pool_oom = stablebuf::Error::PoolOutOfMemory {
+        let pool_oom = stablebuf::Error::Pool(stablebuf::error::PoolError::PoolOutOfMemory {
             asked: 1,
             cached: 0,
             held: 0,
             drained: 0,
-        };
+        });
         assert!(Fail::from(&pool_oom).is_out_of_memory());
-        let budget = stablebuf::Error::OverBudget {
+        let budget = stablebuf::Error::Pool(stablebuf::error::PoolError::OverBudget {
             scope: "pool budget".into(),
             asked: 2,
             limit: 1,
             held: 0,
-        };
+        });
         assert_eq!(Fail::from(budget).runtime_code(), cuda::MEMORY_ALLOCATION);
-        let driver = stablebuf::Error::Driver {
+        let driver = stablebuf::Error::Driver(stablebuf::error::DriverError::Failed {
             call: "cuMemMap",
             result: stablebuf::cudarc::driver::sys::CUresult::CUDA_ERROR_INVALID_VALUE,
             bytes: 0,
-        };
+        });
         let fail = Fail::from(driver);
         assert_eq!(fail.driver_code(), cu::INVALID_VALUE);
         assert_eq!(fail.runtime_code(), cuda::INVALID_VALUE);
         assert_eq!(fail.abi_code(), abi::CUDA);
         assert_eq!(
-            Fail::from(stablebuf::Error::NoDriver).abi_code(),
+            Fail::from(stablebuf::Error::Driver(
+                stablebuf::error::DriverError::NoDriver
+            ))
+            .abi_code(),
             abi::NO_CUDA
         );
         assert_eq!(
-            Fail::from(stablebuf::Error::BindDuringCapture).runtime_code(),
+            Fail::from(stablebuf::Error::Graph(
+                stablebuf::error::GraphError::BindDuringCapture
+            ))
+            .runtime_code(),
             cuda::STREAM_CAPTURE_UNSUPPORTED
         );
-        let asleep = stablebuf::Error::RegionAsleep {
+        let asleep = stablebuf::Error::Region(stablebuf::error::RegionError::RegionAsleep {
             tag: "weights".into(),
-        };
+        });
         assert_eq!(Fail::from(asleep).runtime_code(), cuda::NOT_PERMITTED);
-        let unknown = stablebuf::Error::UnknownAllocation { address: 0x10 };
+        let unknown = stablebuf::Error::Region(stablebuf::error::RegionError::UnknownAllocation {
+            address: 0x10,
+        });
         assert_eq!(Fail::from(unknown).driver_code(), cu::INVALID_VALUE);
-        let restore = stablebuf::Error::RestoreOutOfMemory {
-            dataset: 1,
-            asked: 2,
-            free: 1,
-        };
+        let restore =
+            stablebuf::Error::Offload(stablebuf::error::OffloadError::RestoreOutOfMemory {
+                dataset: 1,
+                asked: 2,
+                free: 1,
+            });
         assert_eq!(Fail::from(restore).abi_code(), abi::OUT_OF_MEMORY);
     }
 

@@ -12,15 +12,17 @@ use std::time::{Duration, Instant};
 
 use stablebuf::cudarc::driver::{CudaContext, CudaStream};
 use stablebuf::pool::{human_bytes, Event};
-use stablebuf::{Block, ElasticPool, HostArena, PoolOptions, Tenant};
+use stablebuf::pool::{Block, Tenant};
+use stablebuf::{ElasticPool, HostArena, PoolOptions};
 
 use crate::codes::Fail;
 use crate::device::{Device, PoolView, TagView, Transfer};
 use crate::elide::PendingCopy;
 use crate::real;
 
+use stablebuf::host::StorageUsed;
 use stablebuf::region::{Region, RegionOptions};
-use stablebuf::{HostStorage, StorageUsed};
+use stablebuf::HostStorage;
 
 /// The untagged tenant reserves this many times the device's memory in addresses (at least
 /// 64 GiB): reserving is nearly free, and room keeps best fit from running out of runs.
@@ -123,7 +125,7 @@ impl GpuDevice {
     /// pool, the untagged tenant and a stream for pauses.
     pub fn open(ordinal: usize, options: &GpuOptions, host: Arc<HostSlot>) -> Result<Self, Fail> {
         let ctx = stablebuf::open_device(ordinal)?;
-        let (_, total) = stablebuf::memory_info(&ctx)?;
+        let (_, total) = stablebuf::device::memory_info(&ctx)?;
         let mut pool_options = PoolOptions::default()
             .stitching(options.stitching)
             .drain_on_oom(options.drain_on_oom);
@@ -175,7 +177,7 @@ impl GpuDevice {
     }
 }
 
-fn transfer(report: stablebuf::TransferReport) -> Transfer {
+fn transfer(report: stablebuf::host::TransferReport) -> Transfer {
     Transfer {
         bytes: report.bytes,
         copied: if report.storage == StorageUsed::Discarded {

@@ -131,9 +131,9 @@ fn a_tag_pauses_and_resumes_with_its_contents() {
     let w = engine.alloc(0, bytes, Some(tag.clone())).unwrap();
     let data = pattern(bytes / 4, 3);
     write(&engine, &ctx, w, &data);
-    let (before, _) = stablebuf::memory_info(&ctx).unwrap();
+    let (before, _) = stablebuf::device::memory_info(&ctx).unwrap();
     let paused = engine.pause(Some("weights"), true).unwrap();
-    let (after, _) = stablebuf::memory_info(&ctx).unwrap();
+    let (after, _) = stablebuf::device::memory_info(&ctx).unwrap();
     assert!(
         after >= before + bytes,
         "pause freed {} bytes",

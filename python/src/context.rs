@@ -32,11 +32,11 @@ fn driver_present() -> bool {
 
 fn driver_failure(call: &'static str, error: DriverError) -> Failure {
     Failure::from_core(
-        &stablebuf::Error::Driver {
+        &stablebuf::Error::Driver(stablebuf::error::DriverError::Failed {
             call,
             result: error.0,
             bytes: 0,
-        },
+        }),
         None,
     )
 }

@@ -4,6 +4,7 @@
 //! `stablebuf.*` exception class in `lib.rs`. Messages keep the numbers the core error carries
 //! (bytes asked, bytes free, which budget), because they are what a user acts on.
 
+use stablebuf::error::{DriverError, GraphError, OffloadError, PoolError, RegionError};
 use std::fmt;
 
 /// The Python exception class a failure maps to. Every class derives from `stablebuf.Error`.
@@ -95,56 +96,77 @@ impl Failure {
     /// Maps a core error. `free` is the device's free memory when the error happened, if it
     /// could be read: out-of-memory messages then say how much was free.
     pub fn from_core(error: &stablebuf::Error, free: Option<usize>) -> Self {
-        use stablebuf::Error as E;
+        use stablebuf::Error;
         let free_note = |message: String| match free {
             Some(free) => format!("{message}; {free} bytes ({}) free on the device", gib(free)),
             None => message,
         };
+        let plain = |kind| Self::new(kind, error.to_string());
+        // Area by area: each core area's variants that have a class of their own, the rest
+        // `stablebuf.Error` with the core message.
         match error {
-            E::OutOfMemory { call, bytes } => Self::new(
-                Kind::OutOfMemory,
-                free_note(format!(
-                    "out of device memory: asked {bytes} bytes ({}) in {call}",
-                    gib(*bytes)
-                )),
-            ),
-            E::RestoreOutOfMemory { asked, free, .. } => Self::new(
-                Kind::OutOfMemory,
-                format!(
-                    "out of device memory: waking asked for {asked} bytes ({}), {free} bytes ({}) \
-                     are free; the region stays asleep with its host copy, retry once memory is free",
-                    gib(*asked),
-                    gib(*free)
+            Error::Driver(driver) => match driver {
+                DriverError::OutOfMemory { call, bytes } => Self::new(
+                    Kind::OutOfMemory,
+                    free_note(format!(
+                        "out of device memory: asked {bytes} bytes ({}) in {call}",
+                        gib(*bytes)
+                    )),
                 ),
-            ),
-            E::PoolOutOfMemory { asked, .. } => Self::new(
-                Kind::OutOfMemory,
-                free_note(format!("{error} (asked {asked} bytes)")),
-            ),
-            E::HostOutOfMemory { bytes } => Self::new(
-                Kind::OutOfMemory,
-                format!(
-                    "out of host memory: asked {bytes} bytes ({}) to keep a sleeping region",
-                    gib(*bytes)
+                DriverError::NoDriver => Self::new(
+                    Kind::Error,
+                    "no CUDA driver: libcuda could not be loaded on this machine",
                 ),
-            ),
-            E::VirtualCapacity { .. } => Self::new(Kind::OutOfMemory, error.to_string()),
-            E::OverBudget { .. } => Self::new(Kind::OverBudget, error.to_string()),
-            E::RegionAsleep { tag } => Self::new(
-                Kind::Asleep,
-                format!("region `{tag}` is asleep: call stablebuf.wake({tag:?}) first"),
-            ),
-            E::Asleep => Self::new(Kind::Asleep, error.to_string()),
-            E::Unbound { group } => Self::new(
-                Kind::Unbound,
-                format!("region `{group}` has no weight set bound: bind one with stablebuf.bind"),
-            ),
-            E::SnapshotMismatch { .. } => Self::new(Kind::SnapshotMismatch, error.to_string()),
-            E::NoDriver => Self::new(
-                Kind::Error,
-                "no CUDA driver: libcuda could not be loaded on this machine",
-            ),
-            other => Self::new(Kind::Error, other.to_string()),
+                _ => plain(Kind::Error),
+            },
+            Error::Offload(offload) => match offload {
+                OffloadError::RestoreOutOfMemory { asked, free, .. } => Self::new(
+                    Kind::OutOfMemory,
+                    format!(
+                        "out of device memory: waking asked for {asked} bytes ({}), {free} bytes \
+                         ({}) are free; the region stays asleep with its host copy, retry once \
+                         memory is free",
+                        gib(*asked),
+                        gib(*free)
+                    ),
+                ),
+                OffloadError::HostOutOfMemory { bytes } => Self::new(
+                    Kind::OutOfMemory,
+                    format!(
+                        "out of host memory: asked {bytes} bytes ({}) to keep a sleeping region",
+                        gib(*bytes)
+                    ),
+                ),
+                _ => plain(Kind::Error),
+            },
+            Error::Pool(pool) => match pool {
+                PoolError::PoolOutOfMemory { asked, .. } => Self::new(
+                    Kind::OutOfMemory,
+                    free_note(format!("{error} (asked {asked} bytes)")),
+                ),
+                PoolError::VirtualCapacity { .. } => plain(Kind::OutOfMemory),
+                PoolError::OverBudget { .. } => plain(Kind::OverBudget),
+                _ => plain(Kind::Error),
+            },
+            Error::Region(region) => match region {
+                RegionError::RegionAsleep { tag } => Self::new(
+                    Kind::Asleep,
+                    format!("region `{tag}` is asleep: call stablebuf.wake({tag:?}) first"),
+                ),
+                RegionError::SnapshotMismatch { .. } => plain(Kind::SnapshotMismatch),
+                _ => plain(Kind::Error),
+            },
+            Error::Graph(graph) => match graph {
+                GraphError::Asleep => plain(Kind::Asleep),
+                GraphError::Unbound { group } => Self::new(
+                    Kind::Unbound,
+                    format!(
+                        "region `{group}` has no weight set bound: bind one with stablebuf.bind"
+                    ),
+                ),
+                _ => plain(Kind::Error),
+            },
+            _ => plain(Kind::Error),
         }
     }
 
@@ -188,15 +210,15 @@ pub fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use stablebuf::Error as E;
+    use stablebuf::Error;
 
     #[test]
     fn out_of_memory_says_asked_and_free() {
         let failure = Failure::from_core(
-            &E::OutOfMemory {
+            &Error::Driver(DriverError::OutOfMemory {
                 call: "cuMemCreate",
                 bytes: 3 << 30,
-            },
+            }),
             Some(1 << 30),
         );
         assert_eq!(failure.kind, Kind::OutOfMemory);
@@ -205,10 +227,10 @@ mod tests {
         assert!(failure.message.contains("cuMemCreate"), "{failure}");
 
         let without_free = Failure::from_core(
-            &E::OutOfMemory {
+            &Error::Driver(DriverError::OutOfMemory {
                 call: "cuMemCreate",
                 bytes: 1,
-            },
+            }),
             None,
         );
         assert!(!without_free.message.contains("free"), "{without_free}");
@@ -217,11 +239,11 @@ mod tests {
     #[test]
     fn a_failed_wake_says_asked_free_and_that_the_region_stays_asleep() {
         let failure = Failure::from_core(
-            &E::RestoreOutOfMemory {
+            &Error::Offload(OffloadError::RestoreOutOfMemory {
                 dataset: 7,
                 asked: 8 << 30,
                 free: 2 << 30,
-            },
+            }),
             None,
         );
         assert_eq!(failure.kind, Kind::OutOfMemory);
@@ -233,47 +255,59 @@ mod tests {
     #[test]
     fn each_core_error_lands_in_its_class() {
         let cases = [
-            (E::RegionAsleep { tag: "w".into() }, Kind::Asleep),
-            (E::Asleep, Kind::Asleep),
-            (E::Unbound { group: "w".into() }, Kind::Unbound),
             (
-                E::SnapshotMismatch {
+                Error::Region(RegionError::RegionAsleep { tag: "w".into() }),
+                Kind::Asleep,
+            ),
+            (Error::Graph(GraphError::Asleep), Kind::Asleep),
+            (
+                Error::Graph(GraphError::Unbound { group: "w".into() }),
+                Kind::Unbound,
+            ),
+            (
+                Error::Region(RegionError::SnapshotMismatch {
                     tag: "w".into(),
                     reason: "another region".into(),
-                },
+                }),
                 Kind::SnapshotMismatch,
             ),
             (
-                E::OverBudget {
+                Error::Pool(PoolError::OverBudget {
                     scope: "pool".into(),
                     asked: 5,
                     limit: 4,
                     held: 3,
-                },
+                }),
                 Kind::OverBudget,
             ),
             (
-                E::PoolOutOfMemory {
+                Error::Pool(PoolError::PoolOutOfMemory {
                     asked: 5,
                     cached: 0,
                     held: 3,
                     drained: 0,
-                },
+                }),
                 Kind::OutOfMemory,
             ),
-            (E::HostOutOfMemory { bytes: 9 }, Kind::OutOfMemory),
             (
-                E::VirtualCapacity {
+                Error::Offload(OffloadError::HostOutOfMemory { bytes: 9 }),
+                Kind::OutOfMemory,
+            ),
+            (
+                Error::Pool(PoolError::VirtualCapacity {
                     tenant: "w".into(),
                     asked: 9,
                     capacity: 8,
                     largest_free_run: 4,
-                },
+                }),
                 Kind::OutOfMemory,
             ),
-            (E::UnknownAllocation { address: 0x10 }, Kind::Error),
-            (E::NoDriver, Kind::Error),
-            (E::BindDuringCapture, Kind::Error),
+            (
+                Error::Region(RegionError::UnknownAllocation { address: 0x10 }),
+                Kind::Error,
+            ),
+            (Error::Driver(DriverError::NoDriver), Kind::Error),
+            (Error::Graph(GraphError::BindDuringCapture), Kind::Error),
         ];
         for (error, kind) in cases {
             let failure = Failure::from_core(&error, None);
@@ -285,12 +319,12 @@ mod tests {
     #[test]
     fn over_budget_names_the_budget_and_its_numbers() {
         let failure = Failure::from_core(
-            &E::OverBudget {
+            &Error::Pool(PoolError::OverBudget {
                 scope: "tenant `kv`".into(),
                 asked: 100,
                 limit: 64,
                 held: 32,
-            },
+            }),
             None,
         );
         for needle in ["tenant `kv`", "100", "64", "32"] {

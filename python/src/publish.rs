@@ -12,6 +12,7 @@ use std::sync::Mutex;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
+use stablebuf::error::ShareError;
 use stablebuf::region::Snapshot;
 use stablebuf::share::publish::{self, Expectation, PublishMessage};
 use stablebuf::share::ProtocolError;
@@ -53,12 +54,12 @@ pyo3::create_exception!(
 
 /// A core error from the publish path as the matching Python exception.
 fn publish_error(error: stablebuf::Error) -> PyErr {
-    use stablebuf::Error as E;
+    use stablebuf::Error;
     match &error {
-        E::Protocol(ProtocolError::Closed | ProtocolError::Truncated { .. }) => {
-            PeerClosed::new_err(format!("the peer closed the connection ({error})"))
-        }
-        E::Io { source, .. }
+        Error::Share(ShareError::Protocol(
+            ProtocolError::Closed | ProtocolError::Truncated { .. },
+        )) => PeerClosed::new_err(format!("the peer closed the connection ({error})")),
+        Error::Io { source, .. }
             if matches!(
                 source.kind(),
                 std::io::ErrorKind::BrokenPipe
@@ -68,10 +69,13 @@ fn publish_error(error: stablebuf::Error) -> PyErr {
         {
             PeerClosed::new_err(format!("the peer closed the connection ({error})"))
         }
-        E::OfferMismatch { .. } | E::DeviceMismatch { .. } => {
+        Error::Share(ShareError::OfferMismatch { .. })
+        | Error::Share(ShareError::DeviceMismatch { .. }) => {
             OfferMismatch::new_err(error.to_string())
         }
-        E::Protocol(_) | E::Rejected { .. } => PublishError::new_err(error.to_string()),
+        Error::Share(ShareError::Protocol(_)) | Error::Share(ShareError::Rejected { .. }) => {
+            PublishError::new_err(error.to_string())
+        }
         _ => PyErr::from(regions::core_failure(error)),
     }
 }

@@ -20,10 +20,11 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use stablebuf::cudarc::driver::{sys, CudaContext, CudaStream};
+use stablebuf::host::{StorageUsed, TransferReport};
 use stablebuf::region::{
     timeline_svg, Region, RegionOptions, RegionStats, Snapshot, SwitchStrategy, Switched,
 };
-use stablebuf::{CostModel, FencePolicy, HostArena, HostStorage, StorageUsed, TransferReport};
+use stablebuf::{CostModel, FencePolicy, HostArena, HostStorage};
 
 use crate::context::ContextScope;
 use crate::errors::{Failure, Kind};
@@ -65,7 +66,7 @@ fn state() -> MutexGuard<'static, State> {
 /// A core error as a [`Failure`]; out-of-memory errors also say how much the device has free.
 fn failure(error: stablebuf::Error, ctx: Option<&CudaContext>) -> Failure {
     let free = if error.is_out_of_memory() {
-        ctx.and_then(|ctx| stablebuf::memory_info(ctx).ok())
+        ctx.and_then(|ctx| stablebuf::device::memory_info(ctx).ok())
             .map(|(free, _)| free)
     } else {
         None
@@ -268,11 +269,11 @@ fn borrowed_stream(region: &Region, handle: usize) -> Result<Arc<CudaStream>, Fa
     let asked = unsafe { sys::cuStreamGetCtx(stream, &mut owner) };
     if asked != sys::CUresult::CUDA_SUCCESS {
         return Err(Failure::from_core(
-            &stablebuf::Error::Driver {
+            &stablebuf::Error::Driver(stablebuf::error::DriverError::Failed {
                 call: "cuStreamGetCtx",
                 result: asked,
                 bytes: 0,
-            },
+            }),
             None,
         )
         .context(format_args!(

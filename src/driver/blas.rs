@@ -6,7 +6,7 @@ use std::sync::Arc;
 use cudarc::cublas::{result as cublas, sys as cublas_sys, CudaBlas};
 use cudarc::driver::{sys, CudaStream};
 
-use crate::error::{Error, Result};
+use crate::error::{DriverError, Error, Result};
 
 fn blas_call<T>(
     call: &'static str,
@@ -14,7 +14,7 @@ fn blas_call<T>(
 ) -> Result<T> {
     let span = tracing::debug_span!("cublas", call);
     let _entered = span.enter();
-    f().map_err(|cublas::CublasError(status)| Error::Cublas { call, status })
+    f().map_err(|cublas::CublasError(status)| Error::Driver(DriverError::Cublas { call, status }))
 }
 
 /// A cuBLAS handle bound to one stream.

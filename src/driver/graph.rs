@@ -8,7 +8,7 @@ use std::sync::Arc;
 use cudarc::driver::{result, sys, CudaContext, CudaStream};
 
 use super::{bind_context, traced, traced_raw};
-use crate::error::{Error, Result};
+use crate::error::{Error, GraphError, Result};
 
 /// A captured (not instantiated) graph. Destroyed on drop.
 #[derive(Debug)]
@@ -208,5 +208,5 @@ impl Drop for Exec {
 
 /// Turns "nothing captured" into an error for callers that need a graph.
 pub(crate) fn require_graph(graph: Option<Graph>) -> Result<Graph> {
-    graph.ok_or(Error::EmptyCapture)
+    graph.ok_or(Error::Graph(GraphError::EmptyCapture))
 }

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use cudarc::driver::{result, sys, CudaContext, CudaStream};
 
 use super::{bind_context, traced, traced_raw};
-use crate::error::{Error, Result};
+use crate::error::{Error, LayoutError, Result};
 
 /// Page-locked (pinned) host memory, freed on drop. Copies to and from it run at full PCIe speed
 /// and can be asynchronous.
@@ -28,9 +28,9 @@ unsafe impl Sync for PinnedHost {}
 impl PinnedHost {
     pub(crate) fn new(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Self> {
         if bytes == 0 {
-            return Err(Error::InvalidShape(
+            return Err(Error::Layout(LayoutError::InvalidShape(
                 "a pinned buffer needs at least one byte".into(),
-            ));
+            )));
         }
         bind_context(ctx)?;
         let ptr = traced("cuMemHostAlloc", bytes, || {
@@ -52,9 +52,9 @@ impl PinnedHost {
     pub(crate) fn register(ctx: &Arc<CudaContext>, mut buffer: Vec<u8>) -> Result<Self> {
         let bytes = buffer.len();
         if bytes == 0 {
-            return Err(Error::InvalidShape(
+            return Err(Error::Layout(LayoutError::InvalidShape(
                 "a pinned buffer needs at least one byte".into(),
-            ));
+            )));
         }
         bind_context(ctx)?;
         let ptr = buffer.as_mut_ptr();
@@ -76,10 +76,10 @@ impl PinnedHost {
     /// The host address of byte `offset` (checked against the size).
     pub(crate) fn at(&self, offset: usize, len: usize) -> Result<*mut u8> {
         if offset.checked_add(len).is_none_or(|end| end > self.bytes) {
-            return Err(Error::InvalidShape(format!(
+            return Err(Error::Layout(LayoutError::InvalidShape(format!(
                 "{len} bytes at {offset} of a {} byte pinned buffer",
                 self.bytes
-            )));
+            ))));
         }
         // SAFETY: in bounds of the allocation (checked above).
         Ok(unsafe { self.ptr.add(offset) })

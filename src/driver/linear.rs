@@ -6,7 +6,7 @@ use std::sync::Arc;
 use cudarc::driver::{sys, CudaContext};
 
 use super::{bind_context, traced_raw};
-use crate::error::{Error, Result};
+use crate::error::{Error, LayoutError, Result};
 
 /// Device memory from `cuMemAlloc`, freed with `cuMemFree` on drop (which, like `cudaFree`,
 /// waits for the device before it returns the memory).
@@ -18,11 +18,14 @@ pub struct LinearBuffer {
 }
 
 impl LinearBuffer {
-    /// Allocates `bytes` (> 0) of device memory; [`Error::OutOfMemory`] if the device has too
+    /// Allocates `bytes` (> 0) of device memory;
+    /// [`DriverError::OutOfMemory`](crate::error::DriverError::OutOfMemory) if the device has too
     /// little free.
     pub fn new(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Self> {
         if bytes == 0 {
-            return Err(Error::InvalidShape("a LinearBuffer of 0 bytes".into()));
+            return Err(Error::Layout(LayoutError::InvalidShape(
+                "a LinearBuffer of 0 bytes".into(),
+            )));
         }
         bind_context(ctx)?;
         let mut ptr: sys::CUdeviceptr = 0;

@@ -8,7 +8,9 @@
 //! feature, [`traced`] is also the seam where tests make a chosen call fail ([`inject`]); the
 //! wrappers here are then `#[track_caller]`, so a call is known by the line that made it.
 
+#[cfg(feature = "demo-kernels")]
 pub(crate) mod blas;
+mod call;
 pub(crate) mod device;
 pub(crate) mod event;
 pub(crate) mod graph;
@@ -16,6 +18,7 @@ pub(crate) mod host;
 #[cfg(any(test, feature = "fault-injection"))]
 pub mod inject;
 pub(crate) mod interop;
+#[cfg(feature = "demo-kernels")]
 pub(crate) mod launch;
 pub(crate) mod linear;
 #[cfg(feature = "nccl")]
@@ -24,107 +27,18 @@ pub(crate) mod share;
 pub(crate) mod vmm;
 
 use std::sync::Arc;
-use std::time::Instant;
 
-use cudarc::driver::{sys, CudaContext, CudaStream, DriverError};
+use cudarc::driver::{sys, CudaContext, CudaStream};
 
-use crate::error::{Error, Result};
+use crate::error::{DriverError, Error, Result};
 
-/// Runs one driver call inside a tracing span and maps its failure to a typed [`Error`].
-#[cfg_attr(any(test, feature = "fault-injection"), track_caller)]
-pub(crate) fn traced<T>(
-    call: &'static str,
-    bytes: usize,
-    f: impl FnOnce() -> Result<T, DriverError>,
-) -> Result<T> {
-    let span = tracing::debug_span!("cuda", call, bytes);
-    let _entered = span.enter();
-    let start = Instant::now();
-    #[cfg(any(test, feature = "fault-injection"))]
-    let outcome = inject::intercept(call, bytes, std::panic::Location::caller(), f);
-    #[cfg(not(any(test, feature = "fault-injection")))]
-    let outcome = f();
-    let micros = start.elapsed().as_secs_f64() * 1e6;
-    match outcome {
-        Ok(value) => {
-            tracing::debug!(call, bytes, micros, "ok");
-            Ok(value)
-        }
-        Err(DriverError(result)) => {
-            tracing::debug!(call, bytes, micros, ?result, "failed");
-            Err(driver_error(call, bytes, result))
-        }
-    }
-}
-
-/// [`traced`] for a raw `sys` call that returns a bare `CUresult`.
-#[cfg_attr(any(test, feature = "fault-injection"), track_caller)]
-pub(crate) fn traced_raw(
-    call: &'static str,
-    bytes: usize,
-    f: impl FnOnce() -> sys::CUresult,
-) -> Result<()> {
-    traced(call, bytes, || f().result())
-}
-
-/// Makes a release-type call (unmap, release, free, destroy) from a `Drop`, logging a failure.
-/// The context is bound first, but the call is made even if binding fails: it either needs no
-/// current context or reports its own error, and skipping it would leak the handle for sure.
-#[cfg_attr(any(test, feature = "fault-injection"), track_caller)]
-pub(crate) fn release(
-    ctx: &CudaContext,
-    call: &'static str,
-    bytes: usize,
-    f: impl FnOnce() -> sys::CUresult,
-) {
-    if let Err(error) = bind_context(ctx) {
-        tracing::warn!(%error, call, "binding the context before a release failed; releasing anyway");
-    }
-    if let Err(error) = traced_raw(call, bytes, f) {
-        tracing::error!(%error, call, bytes, "a release failed");
-    }
-}
-
-pub(crate) fn driver_error(call: &'static str, bytes: usize, result: sys::CUresult) -> Error {
-    match result {
-        sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => Error::OutOfMemory { call, bytes },
-        result => Error::Driver {
-            call,
-            result,
-            bytes,
-        },
-    }
-}
-
-// Which of cudarc's modes is on decides how `driver_present` can tell; with none of ours on,
-// cudarc may still be loading dynamically through another crate's `fallback-dynamic-loading`.
-#[cfg(not(any(
-    feature = "dynamic-loading",
-    feature = "dynamic-linking",
-    feature = "static-linking"
-)))]
-compile_error!(
-    "stablebuf: turn on one of the features `dynamic-loading` (the default), `dynamic-linking` \
-     (beside candle-core's `cuda`) or `static-linking`"
-);
-
-/// Whether libcuda can be loaded here. Everything else in the crate needs it.
-#[cfg(feature = "dynamic-loading")]
-pub fn driver_present() -> bool {
-    // SAFETY: only tries to open the shared library; no CUDA call is made.
-    unsafe { sys::is_culib_present() }
-}
-
-/// Whether libcuda can be loaded here. Linked builds only start where the loader found libcuda,
-/// so this is always true.
-#[cfg(not(feature = "dynamic-loading"))]
-pub fn driver_present() -> bool {
-    true
-}
+pub(crate) use call::{bind_context, release, traced, traced_raw};
+pub use device::driver_present;
 
 /// Opens device `ordinal` (its primary context) the way stablebuf wants it.
 ///
-/// Returns [`Error::NoDriver`] instead of panicking where no CUDA driver is installed. cudarc's
+/// Returns [`DriverError::NoDriver`](crate::error::DriverError::NoDriver) instead of panicking
+/// where no CUDA driver is installed. cudarc's
 /// per-buffer event tracking is switched off, because its events make stream capture fail
 /// (errors 905/907) as soon as a `CudaSlice` is touched inside a capture; stablebuf orders its
 /// own memory with explicit fences instead.
@@ -134,23 +48,17 @@ pub fn driver_present() -> bool {
 /// tracked `CudaSlice` inside a capture fails as above (`compat/README.md` has the details).
 pub fn open_device(ordinal: usize) -> Result<Arc<CudaContext>> {
     if !driver_present() {
-        return Err(Error::NoDriver);
+        return Err(Error::Driver(DriverError::NoDriver));
     }
     let count = device::device_count()?;
     if ordinal >= count {
-        return Err(Error::NoSuchDevice { ordinal, count });
+        return Err(Error::Driver(DriverError::NoSuchDevice { ordinal, count }));
     }
     let ctx = traced("cuDevicePrimaryCtxRetain", 0, || CudaContext::new(ordinal))?;
     // SAFETY: called before this context creates any stream or buffer of ours; cudarc documents
     // that tracking must not be switched while tracked buffers are in flight.
     unsafe { ctx.disable_event_tracking() };
     Ok(ctx)
-}
-
-/// Makes `ctx` current on this thread: raw `sys` calls do not do it themselves.
-#[cfg_attr(any(test, feature = "fault-injection"), track_caller)]
-pub(crate) fn bind_context(ctx: &CudaContext) -> Result<()> {
-    traced("cuCtxSetCurrent", 0, || ctx.bind_to_thread())
 }
 
 /// Free and total device memory of `ctx`'s device, in bytes (`cuMemGetInfo`).

@@ -11,17 +11,18 @@ use nix::sys::socket::{recvmsg, sendmsg, ControlMessage, ControlMessageOwned, Ms
 
 use super::vmm::Physical;
 use super::{bind_context, traced_raw};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, ShareError};
 
 const POSIX_FD: sys::CUmemAllocationHandleType =
     sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
 
 impl Physical {
     /// A new file descriptor referring to this memory (`cuMemExportToShareableHandle`). The memory
-    /// must have been created shareable. The descriptor is owned: it is closed exactly once, on drop.
+    /// must have been created shareable. The descriptor is owned: it is closed exactly once, on
+    /// drop.
     pub(crate) fn export(&self) -> Result<OwnedFd> {
         if !self.shareable() {
-            return Err(Error::NotShareable);
+            return Err(Error::Share(ShareError::NotShareable));
         }
         bind_context(self.context())?;
         let mut fd: i32 = -1;
@@ -103,11 +104,11 @@ pub(crate) fn receive_with_fds(
         Ok(cmsgs) => cmsgs,
         // Truncated control data (cannot happen with room for SCM_MAX_FD descriptors).
         Err(nix::errno::Errno::ENOBUFS) => {
-            return Err(Error::Protocol(
+            return Err(Error::Share(ShareError::Protocol(
                 crate::error::ProtocolError::UnexpectedFds {
                     count: MAX_FDS_PER_MESSAGE + 1,
                 },
-            ))
+            )))
         }
         Err(e) => return Err(io_error("recvmsg", e)),
     };

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use cudarc::driver::{sys, CudaContext};
 
 use super::{bind_context, release, traced_raw};
-use crate::error::{Error, Result};
+use crate::error::{Error, LayoutError, Result};
 
 /// Where physical memory lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -288,12 +288,12 @@ impl Mapping {
             .checked_add(bytes)
             .is_some_and(|end| end <= physical.bytes());
         if bytes == 0 || !fits_va || !fits_pa {
-            return Err(Error::InvalidShape(format!(
+            return Err(Error::Layout(LayoutError::InvalidShape(format!(
                 "mapping {bytes} bytes at offset {offset} of a {} byte reservation from offset \
                  {physical_offset} of {} bytes of memory",
                 reservation.bytes(),
                 physical.bytes()
-            )));
+            ))));
         }
         let mapping = Self::map_only(reservation, offset, physical, physical_offset, bytes)?;
         set_access(mapping.ptr, bytes, access_devices)?; // on error `mapping` drops and unmaps
@@ -351,11 +351,11 @@ impl Mapping {
                     .is_some_and(|end| end <= reservation.bytes())
         };
         let Some(total) = total.filter(|&t| fits(t)) else {
-            return Err(Error::InvalidShape(format!(
+            return Err(Error::Layout(LayoutError::InvalidShape(format!(
                 "mapping {} allocations at offset {offset} of a {} byte reservation",
                 physicals.len(),
                 reservation.bytes()
-            )));
+            ))));
         };
         let mut made: Vec<Self> = Vec::with_capacity(physicals.len());
         let mut at = offset;

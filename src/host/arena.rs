@@ -19,7 +19,7 @@ use cudarc::driver::CudaContext;
 
 use super::parallel;
 use crate::driver::{self, host::PinnedHost};
-use crate::error::{Error, Result};
+use crate::error::{Error, LayoutError, OffloadError, Result};
 
 /// Regions start on this boundary.
 pub(crate) const ARENA_ALIGN: usize = 4096;
@@ -138,7 +138,9 @@ impl HostArena {
         let book = ArenaBook::new(bytes);
         let capacity = book.capacity().max(ARENA_ALIGN);
         let registered = driver::host::transfer_buffer(capacity)
-            .ok_or(Error::HostOutOfMemory { bytes: capacity })
+            .ok_or(Error::Offload(OffloadError::HostOutOfMemory {
+                bytes: capacity,
+            }))
             .and_then(|mut buffer| {
                 parallel::fault_in(&mut buffer, parallel::threads());
                 PinnedHost::register(ctx, buffer)
@@ -215,10 +217,10 @@ impl ArenaRegion {
     /// Host address of byte `at` of the region.
     pub(crate) fn ptr(&self, at: usize, len: usize) -> Result<*mut u8> {
         if at.checked_add(len).is_none_or(|end| end > self.len) {
-            return Err(crate::Error::InvalidShape(format!(
+            return Err(crate::Error::Layout(LayoutError::InvalidShape(format!(
                 "{len} bytes at {at} of a {}-byte arena region",
                 self.len
-            )));
+            ))));
         }
         self.arena.with_memory(|m| m.at(self.offset + at, len))
     }

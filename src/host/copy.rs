@@ -10,10 +10,10 @@ use cudarc::driver::{sys, CudaEvent, CudaStream};
 
 use super::arena::{chunk_plan, ArenaRegion, HostArena, ARENA_ALIGN};
 use super::parallel;
-use super::staging::process_staging;
-use super::{HostStorage, StorageUsed};
+use super::staging::{process_staging, STAGING_CHUNK};
+use super::storage::{HostStorage, StorageUsed};
 use crate::driver::{self, host};
-use crate::error::{Error, Result};
+use crate::error::{Error, LayoutError, OffloadError, Result};
 
 /// An offloaded dataset's bytes.
 #[derive(Debug)]
@@ -38,14 +38,11 @@ impl HostCopy {
     }
 }
 
-/// Largest staging chunk; two are used at once. Big enough that starting the host threads for
-/// a chunk (tens of µs) is small next to copying it (over a millisecond at PCIe speed).
-pub(crate) const STAGING_CHUNK: usize = 64 << 20;
 /// Below this, chunking costs more than it saves: copy pageable directly.
 const MIN_STAGING_CHUNK: usize = 1 << 20;
 
 fn pageable(bytes: usize) -> Result<Vec<u8>> {
-    host::transfer_buffer(bytes).ok_or(Error::HostOutOfMemory { bytes })
+    host::transfer_buffer(bytes).ok_or(Error::Offload(OffloadError::HostOutOfMemory { bytes }))
 }
 
 /// Two staging regions of the arena, if it has room for useful ones.
@@ -310,9 +307,9 @@ pub(crate) fn load_pieces(
 /// there stay inside it. The pointer is only handed to the driver's copy calls.
 fn inside(base: *mut u8, total: usize, offset: usize, len: usize) -> Result<*mut u8> {
     if offset.checked_add(len).is_none_or(|end| end > total) {
-        return Err(Error::InvalidShape(format!(
+        return Err(Error::Layout(LayoutError::InvalidShape(format!(
             "{len} host bytes at {offset} of a {total}-byte buffer"
-        )));
+        ))));
     }
     Ok(base.wrapping_add(offset))
 }
@@ -375,7 +372,11 @@ fn unstage(
 ) -> Result<()> {
     let parts = window(pieces, offset, staged.len());
     let targets = parallel::carve(data, parts.iter().map(|(p, _)| (p.host_offset, p.bytes)))
-        .ok_or_else(|| Error::InvalidShape("pieces out of order in the host copy".into()))?;
+        .ok_or_else(|| {
+            Error::Layout(LayoutError::InvalidShape(
+                "pieces out of order in the host copy".into(),
+            ))
+        })?;
     let jobs = targets
         .into_iter()
         .zip(&parts)
@@ -400,16 +401,20 @@ fn stage(
         let end = piece.host_offset.checked_add(piece.bytes);
         let source = end.and_then(|end| data.get(piece.host_offset..end));
         sources.push(source.ok_or_else(|| {
-            Error::InvalidShape(format!(
+            Error::Layout(LayoutError::InvalidShape(format!(
                 "{} bytes at {} of a {}-byte host copy",
                 piece.bytes,
                 piece.host_offset,
                 data.len()
-            ))
+            )))
         })?);
     }
-    let targets = parallel::carve(staged, parts.iter().map(|&(p, at)| (at, p.bytes)))
-        .ok_or_else(|| Error::InvalidShape("staging windows out of order".into()))?;
+    let targets =
+        parallel::carve(staged, parts.iter().map(|&(p, at)| (at, p.bytes))).ok_or_else(|| {
+            Error::Layout(LayoutError::InvalidShape(
+                "staging windows out of order".into(),
+            ))
+        })?;
     parallel::copy_all(targets.into_iter().zip(sources).collect(), threads);
     Ok(())
 }

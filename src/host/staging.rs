@@ -14,8 +14,10 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::CudaContext;
 
 use super::arena::HostArena;
-use super::copy::STAGING_CHUNK;
 
+/// Largest staging chunk; two are used at once. Big enough that starting the host threads for
+/// a chunk (tens of µs) is small next to copying it (over a millisecond at PCIe speed).
+pub(crate) const STAGING_CHUNK: usize = 64 << 20;
 /// Two chunks: the device fills (or drains) one while the host drains (or fills) the other.
 pub(crate) const PROCESS_STAGING_BYTES: usize = 2 * STAGING_CHUNK;
 

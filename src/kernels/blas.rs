@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaStream;
 
-use super::{dim, need, need_elems, BF16, F32};
+use super::args::{dim, need, need_elems, BF16, F32};
 use crate::buffer::DeviceBuffer;
 use crate::driver::blas::{BlasHandle, GemmBf16, Sgemm};
 use crate::error::Result;

@@ -21,10 +21,10 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaModule, CudaStream, LaunchConfig};
 
-use super::{dim, grid_stride, need_elems, BF16, F32};
+use super::args::{dim, grid_stride, need_elems, BF16, F32};
 use crate::buffer::DeviceBuffer;
 use crate::driver::launch::{abi, function, load_module, KernelFn};
-use crate::error::{Error, Result};
+use crate::error::{Error, LayoutError, Result};
 
 /// The activation [`DecodeKernels::bias_act`] applies.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -202,9 +202,9 @@ impl DecodeKernels {
     ) -> Result<()> {
         let (ri, ci) = (dim("rows", rows)?, dim("cols", cols)?);
         if !(eps.is_finite() && eps >= 0.0) {
-            return Err(Error::InvalidShape(format!(
+            return Err(Error::Layout(LayoutError::InvalidShape(format!(
                 "rms_norm eps = {eps} must be finite and not negative"
-            )));
+            ))));
         }
         need_elems("rms_norm x", x, [rows, cols], BF16)?;
         need_elems("rms_norm gamma", gamma, [1, cols], BF16)?;
@@ -256,9 +256,9 @@ impl DecodeKernels {
         hi: f32,
     ) -> Result<()> {
         if !(lo.is_finite() && hi.is_finite() && lo <= hi) {
-            return Err(Error::InvalidShape(format!(
+            return Err(Error::Layout(LayoutError::InvalidShape(format!(
                 "fill_uniform range [{lo}, {hi}) must be finite and ordered"
-            )));
+            ))));
         }
         let count = (buffer.byte_len() / BF16) as u64;
         if count == 0 {
@@ -323,9 +323,9 @@ impl DecodeKernels {
     ) -> Result<usize> {
         let count = input.byte_len() / BF16;
         if count == 0 {
-            return Err(Error::InvalidShape(
+            return Err(Error::Layout(LayoutError::InvalidShape(
                 "partial_sums of an empty buffer".into(),
-            ));
+            )));
         }
         let blocks = Self::partial_sum_count(count);
         need_elems("partial_sums out", out, [1, blocks], F32)?;

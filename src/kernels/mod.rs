@@ -5,6 +5,7 @@
 //! Each launcher checks shapes and buffer sizes on the host first, so a wrong size is an
 //! [`Error`], never an out-of-bounds access on the GPU.
 
+mod args;
 mod blas;
 mod decode;
 mod ptx;
@@ -17,7 +18,8 @@ use cudarc::driver::{CudaContext, CudaModule, CudaStream, DevicePtr, LaunchConfi
 use crate::buffer::{require_range, DeviceBuffer};
 use crate::driver::launch::{abi, function, load_module, KernelFn};
 use crate::driver::traced;
-use crate::error::{Error, Result};
+use crate::error::{Error, LayoutError, Result};
+use args::{dim, grid_stride, need, F32, U32};
 
 pub use blas::{Blas, GemmOutput, WeightLayout, RECOMMENDED_WORKSPACE};
 pub use decode::{
@@ -54,48 +56,6 @@ pub struct Kernels {
     fill_pattern: KernelFn<(u64, u64, u64, u32)>,
     count_mismatches: KernelFn<(u64, u64, u64, u32, u64)>,
     affine: KernelFn<(u64, u64, f32, f32)>,
-}
-
-const F32: usize = std::mem::size_of::<f32>();
-const U32: usize = std::mem::size_of::<u32>();
-/// Bytes of one bf16 element (carried as `u16`).
-const BF16: usize = std::mem::size_of::<u16>();
-
-pub(crate) fn dim(name: &str, value: usize) -> Result<i32> {
-    match i32::try_from(value) {
-        Ok(v) if v > 0 => Ok(v),
-        _ => Err(Error::InvalidShape(format!(
-            "{name} = {value} must be in 1..=i32::MAX"
-        ))),
-    }
-}
-
-/// `Err` unless `buffer` holds `elems[0] × elems[1]` FP32 values.
-pub(crate) fn need(what: &'static str, buffer: &dyn DeviceBuffer, elems: [usize; 2]) -> Result<()> {
-    need_elems(what, buffer, elems, F32)
-}
-
-/// `Err` unless `buffer` holds `elems[0] × elems[1]` elements of `elem_bytes` bytes each.
-pub(crate) fn need_elems(
-    what: &'static str,
-    buffer: &dyn DeviceBuffer,
-    elems: [usize; 2],
-    elem_bytes: usize,
-) -> Result<()> {
-    let needed = elems[0]
-        .checked_mul(elems[1])
-        .and_then(|n| n.checked_mul(elem_bytes))
-        .ok_or_else(|| {
-            Error::InvalidShape(format!("{what}: {} x {} overflows", elems[0], elems[1]))
-        })?;
-    if buffer.byte_len() < needed {
-        return Err(Error::BufferTooSmall {
-            what,
-            needed,
-            available: buffer.byte_len(),
-        });
-    }
-    Ok(())
 }
 
 impl Kernels {
@@ -180,10 +140,10 @@ impl Kernels {
             }
             MatmulKernel::RegisterTiled => {
                 if kind != Self::resolve(MatmulKernel::Auto, m, n, k, [a, b, c]) {
-                    return Err(Error::InvalidShape(format!(
+                    return Err(Error::Layout(LayoutError::InvalidShape(format!(
                         "register-tiled matmul needs m, n multiples of 128, k of 8 and 16-byte \
                          aligned buffers; got {m}x{n}x{k}"
-                    )));
+                    ))));
                 }
                 let grid = ((n / 128) as u32, (m / 128) as u32, 1);
                 (
@@ -197,9 +157,9 @@ impl Kernels {
             }
         };
         if cfg.grid_dim.1 > 65_535 {
-            return Err(Error::InvalidShape(format!(
+            return Err(Error::Layout(LayoutError::InvalidShape(format!(
                 "m = {m} needs more than 65535 block rows"
-            )));
+            ))));
         }
         let (pa, pb, pc) = (a.device_address(), b.device_address(), c.device_address());
         function.launch(stream, cfg, (pa, pb, pc, mi, ni, ki))?;
@@ -324,7 +284,9 @@ impl Kernels {
 fn pattern_range(buffer: &dyn DeviceBuffer, first: usize, count: usize) -> Result<()> {
     let bytes = |elements: usize| {
         elements.checked_mul(U32).ok_or_else(|| {
-            Error::InvalidShape(format!("pattern range {first} + {count} overflows"))
+            Error::Layout(LayoutError::InvalidShape(format!(
+                "pattern range {first} + {count} overflows"
+            )))
         })
     };
     require_range(
@@ -333,13 +295,4 @@ fn pattern_range(buffer: &dyn DeviceBuffer, first: usize, count: usize) -> Resul
         bytes(first)?,
         bytes(count)?,
     )
-}
-
-pub(crate) fn grid_stride(elements: u64) -> LaunchConfig {
-    let blocks = elements.div_ceil(256).clamp(1, 8192) as u32;
-    LaunchConfig {
-        grid_dim: (blocks, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    }
 }

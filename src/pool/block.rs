@@ -4,13 +4,13 @@ use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaStream, DeviceRepr};
 
-use super::book::TenantId;
-use super::elastic::Shared;
 use super::events::BlockId;
+use super::ledger::TenantId;
+use super::shared::Shared;
 use super::state::BlockInfo;
 use crate::buffer::{require_range, DeviceBuffer};
 use crate::driver;
-use crate::error::{Error, Result};
+use crate::error::{Error, LayoutError, PoolError, Result};
 
 /// Device memory from an [`crate::ElasticPool`] at an address that never changes while the
 /// block lives. It may be made of several physical chunks (stitched); kernels see one
@@ -70,7 +70,8 @@ impl Block {
         self.capacity
     }
 
-    /// Length, mapped bytes and mapping count, or [`Error::TenantGone`].
+    /// Length, mapped bytes and mapping count, or
+    /// [`PoolError::TenantGone`](crate::error::PoolError::TenantGone).
     pub fn info(&self) -> Result<BlockInfo> {
         self.shared
             .lock()
@@ -89,14 +90,14 @@ impl Block {
     }
 
     fn gone(&self) -> Error {
-        Error::TenantGone {
+        Error::Pool(PoolError::TenantGone {
             tenant: self.tenant_name.to_string(),
-        }
+        })
     }
 
     fn map_gone(&self, error: Error) -> Error {
         match error {
-            Error::TenantGone { .. } => self.gone(),
+            Error::Pool(PoolError::TenantGone { .. }) => self.gone(),
             other => other,
         }
     }
@@ -131,7 +132,7 @@ impl Block {
         }
     }
 
-    /// Maps the memory a block from [`Tenant::alloc_held`](crate::Tenant::alloc_held) holds
+    /// Maps the memory a block from [`Tenant::alloc_held`](crate::pool::Tenant::alloc_held) holds
     /// unmapped, and gives it its length. Does nothing for a block that holds nothing unmapped
     /// (any other block, or one mapped already).
     pub fn map_held(&mut self) -> Result<()> {
@@ -147,20 +148,22 @@ impl Block {
     /// part of the removed chunks' range they do not cover is backed again (cache first, else one
     /// new chunk). Afterwards this block starts with the donor's contents, and the donor holds
     /// nothing: its addresses are freed, its length is 0 and its methods report
-    /// [`Error::TenantGone`].
+    /// [`PoolError::TenantGone`](crate::error::PoolError::TenantGone).
     ///
-    /// All or nothing: on an error both blocks are as they were. [`Error::InvalidShape`] when the
+    /// All or nothing: on an error both blocks are as they were.
+    /// [`LayoutError::InvalidShape`](crate::error::LayoutError::InvalidShape) when the
     /// donor is longer than this block, is this block, or belongs to another tenant.
     ///
-    /// Onto a block that holds its memory unmapped ([`Tenant::alloc_held`](crate::Tenant::alloc_held)),
+    /// Onto a block that holds its memory unmapped
+    /// ([`Tenant::alloc_held`](crate::pool::Tenant::alloc_held)),
     /// the donor's chunks are mapped first and only the rest of the block's length is backed
     /// (cache first); the held memory goes back to the cache, and the block has the length it
     /// was allocated with. On an error it still holds its memory unmapped.
     pub fn graft(&mut self, donor: &mut Block) -> Result<()> {
         if !Arc::ptr_eq(&self.shared, &donor.shared) || self.tenant != donor.tenant {
-            return Err(Error::InvalidShape(
+            return Err(Error::Layout(LayoutError::InvalidShape(
                 "a block can only be grafted onto a block of the same tenant".into(),
-            ));
+            )));
         }
         self.shared
             .lock()
@@ -238,7 +241,7 @@ impl Block {
 
     fn free_inner(&self) -> Result<()> {
         match self.shared.lock().free(self.tenant, self.id) {
-            Err(Error::TenantGone { .. }) => Ok(()), // the tenant already freed everything
+            Err(Error::Pool(PoolError::TenantGone { .. })) => Ok(()), // the tenant already freed everything
             other => other,
         }
     }

@@ -1,14 +1,14 @@
 //! The public handles: [`ElasticPool`] (shared, cloneable) and [`Tenant`].
 
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaStream};
 
-use super::ahead::Ahead;
 use super::backend::Vmm;
 use super::block::Block;
-use super::book::TenantId;
 use super::events::{BlockId, Event};
+use super::ledger::TenantId;
+use super::shared::Shared;
 use super::state::{State, Switches};
 use super::stats::{PoolStats, TenantStats};
 use crate::driver::vmm::granularity;
@@ -29,7 +29,7 @@ pub struct PoolOptions {
     /// How many recent events the log keeps (default 65,536; 0 turns it off).
     pub event_capacity: usize,
     /// After a request had to create memory, create as much again in the background for the
-    /// next one (default off; see [`super::ahead`]).
+    /// next one (default off; see [`super::create_ahead`]).
     pub create_ahead: bool,
 }
 
@@ -48,7 +48,8 @@ impl Default for PoolOptions {
 
 impl PoolOptions {
     /// Caps the pool's physical memory (mapped plus cached, all tenants) at `bytes`; a request
-    /// over it is refused with [`Error::OverBudget`](crate::Error::OverBudget) after the cache
+    /// over it is refused with [`PoolError::OverBudget`](crate::error::PoolError::OverBudget) after
+    /// the cache
     /// was released, if that would have made room.
     pub fn budget(mut self, bytes: usize) -> Self {
         self.budget = Some(bytes);
@@ -92,36 +93,6 @@ impl PoolOptions {
     }
 }
 
-pub(crate) struct Shared {
-    ctx: Arc<CudaContext>,
-    granularity: usize,
-    state: Mutex<State<Vmm>>,
-    /// The create-ahead worker, when [`PoolOptions::create_ahead`] is on.
-    ahead: Option<Ahead>,
-}
-
-impl Shared {
-    /// The state; a panic in another thread while it held the lock leaves the books as they
-    /// were after its last completed step, so the lock is taken anyway rather than panicking.
-    pub(crate) fn lock(&self) -> MutexGuard<'_, State<Vmm>> {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    pub(crate) fn context(&self) -> &Arc<CudaContext> {
-        &self.ctx
-    }
-
-    /// After a request: what it created is what the create-ahead worker prepares next.
-    pub(crate) fn after_request(&self, state: MutexGuard<'_, State<Vmm>>) {
-        let mut state = state;
-        let created = state.take_created();
-        drop(state);
-        if let Some(ahead) = &self.ahead {
-            ahead.created(created);
-        }
-    }
-}
-
 /// A pool of physical device memory shared by tenants. Cloning gives another handle to the
 /// same pool. See the [module docs](crate::pool).
 #[derive(Clone)]
@@ -132,7 +103,7 @@ pub struct ElasticPool {
 impl std::fmt::Debug for ElasticPool {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ElasticPool")
-            .field("granularity", &self.shared.granularity)
+            .field("granularity", &self.shared.granularity())
             .field("stats", &self.stats())
             .finish()
     }
@@ -154,12 +125,7 @@ impl ElasticPool {
             options.fence,
             options.event_capacity,
         );
-        let shared = Arc::new_cyclic(|weak| Shared {
-            ctx: ctx.clone(),
-            granularity,
-            state: Mutex::new(state),
-            ahead: options.create_ahead.then(|| Ahead::start(weak.clone())),
-        });
+        let shared = Arc::new(Shared::new(ctx, granularity, state, options.create_ahead));
         Ok(Self { shared })
     }
 
@@ -192,12 +158,12 @@ impl ElasticPool {
     /// The allocation granularity in bytes (2 MiB on current GPUs): every chunk, block length
     /// and capacity is a multiple of it.
     pub fn granularity(&self) -> usize {
-        self.shared.granularity
+        self.shared.granularity()
     }
 
     /// The CUDA context (device) the pool allocates on.
     pub fn context(&self) -> &Arc<CudaContext> {
-        &self.shared.ctx
+        self.shared.context()
     }
 
     /// The pool's figures now: memory mapped and cached, driver calls, drains, fragmentation.
@@ -218,9 +184,7 @@ impl ElasticPool {
     /// Waits until memory the pool is creating ahead of need ([`PoolOptions::create_ahead`]) is
     /// in its cache; returns at once when nothing is under way or the option is off.
     pub fn settle(&self) {
-        if let Some(ahead) = &self.shared.ahead {
-            ahead.settle();
-        }
+        self.shared.settle();
     }
 
     /// Turns stitching on or off for later requests (see [`PoolOptions::stitching`]).
@@ -259,7 +223,7 @@ impl ElasticPool {
 /// A user of an [`ElasticPool`]: its own virtual address range, statistics and optional limit.
 /// Dropping it (or [`Tenant::unregister`]) frees everything it holds: its blocks are unmapped
 /// after the fence, their chunks return to the pool's cache, and its addresses are freed.
-/// Blocks that outlive it report [`crate::Error::TenantGone`].
+/// Blocks that outlive it report [`PoolError::TenantGone`](crate::error::PoolError::TenantGone).
 pub struct Tenant {
     shared: Arc<Shared>,
     id: TenantId,
@@ -332,7 +296,8 @@ impl Tenant {
         self.shared.lock().attach(self.id, stream)
     }
 
-    /// The tenant's figures now; [`Error::TenantGone`](crate::Error::TenantGone) after it was
+    /// The tenant's figures now; [`PoolError::TenantGone`](crate::error::PoolError::TenantGone)
+    /// after it was
     /// unregistered.
     pub fn stats(&self) -> Result<TenantStats> {
         self.shared.lock().tenant_stats(self.id)

@@ -4,7 +4,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::book::{ChunkId, TenantId};
+use super::ledger::{ChunkId, TenantId};
 
 /// Names a block (an allocation) of a pool.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]

@@ -44,10 +44,12 @@
 //!
 //! When `cuMemCreate` runs out of memory, the pool **drains** (releases) the cached chunks the
 //! request does not use and retries once; if that fails too the error is
-//! [`Error::PoolOutOfMemory`](crate::Error::PoolOutOfMemory) with what was asked, cached and
+//! [`PoolError::PoolOutOfMemory`](crate::error::PoolError::PoolOutOfMemory) with what was asked,
+//! cached and
 //! held. A **budget** caps the pool's physical memory (mapped plus cached) across tenants, and
 //! each tenant may have a limit of its own; a request over either is refused whole
-//! ([`Error::OverBudget`](crate::Error::OverBudget)), after the cache was released if that
+//! ([`PoolError::OverBudget`](crate::error::PoolError::OverBudget)), after the cache was released
+//! if that
 //! would have made room.
 //!
 //! [`PoolStats`] and [`TenantStats`] report reserved addresses, mapped and cached memory,
@@ -63,28 +65,48 @@
 //! - A failed request changes nothing but the cache it released to make room.
 //! - Blocks of an unregistered tenant have length 0: copies and kernel launchers refuse them.
 
-pub mod ahead;
-mod backend;
+use crate::vmm_core as backend;
 mod block;
-mod book;
+pub mod create_ahead;
 mod elastic;
 mod events;
 #[cfg(test)]
-mod fake;
+use crate::vmm_core::fake;
 mod granules;
+mod ledger;
 #[cfg(test)]
 mod proptests;
+mod shared;
 mod state;
 mod stats;
 #[cfg(feature = "timeline")]
 pub mod timeline;
 
 pub use block::Block;
-pub use book::{ChunkId, TenantId};
 pub use elastic::{ElasticPool, PoolOptions, Tenant};
 pub use events::{BlockId, DrainReason, Event, EventKind};
+pub use ledger::{ChunkId, TenantId};
 pub use state::BlockInfo;
 pub use stats::{human_bytes, PoolStats, TenantStats};
 
 pub(crate) use events::EventLog;
 pub(crate) use granules::GranuleMap;
+
+/// The old path of [`create_ahead`], which was renamed in 0.2.
+#[deprecated(since = "0.2.0", note = "renamed to `stablebuf::pool::create_ahead`")]
+pub mod ahead {
+    /// [`create_ahead::HEADROOM_PERCENT`](super::create_ahead::HEADROOM_PERCENT).
+    // A constant rather than a re-export: a deprecated module alone warns nobody who uses it.
+    #[deprecated(
+        since = "0.2.0",
+        note = "now `stablebuf::pool::create_ahead::HEADROOM_PERCENT`"
+    )]
+    pub const HEADROOM_PERCENT: usize = super::create_ahead::HEADROOM_PERCENT;
+}
+
+// The old path of the chunk ledger (`ledger.rs` was `book.rs`), for the property tests until
+// they name `ledger` and `ChunkLedger` themselves.
+#[cfg(test)]
+mod book {
+    pub(crate) use super::ledger::{ChunkId, ChunkLedger as ChunkBook, TenantId};
+}

@@ -274,7 +274,7 @@ proptest! {
 mod against_a_fake_driver {
     use proptest::prelude::*;
 
-    use crate::error::Error;
+    use crate::error::{DriverError, Error, LayoutError, PoolError};
     use crate::fence::FencePolicy;
     use crate::pool::book::TenantId;
     use crate::pool::events::BlockId;
@@ -373,13 +373,13 @@ mod against_a_fake_driver {
     fn typed(error: &Error) -> bool {
         matches!(
             error,
-            Error::OutOfMemory { .. }
-                | Error::PoolOutOfMemory { .. }
-                | Error::Driver { .. }
-                | Error::OverBudget { .. }
-                | Error::VirtualCapacity { .. }
-                | Error::BeyondCapacity { .. }
-                | Error::InvalidShape(_)
+            Error::Driver(DriverError::OutOfMemory { .. })
+                | Error::Pool(PoolError::PoolOutOfMemory { .. })
+                | Error::Driver(DriverError::Failed { .. })
+                | Error::Pool(PoolError::OverBudget { .. })
+                | Error::Pool(PoolError::VirtualCapacity { .. })
+                | Error::Pool(PoolError::BeyondCapacity { .. })
+                | Error::Layout(LayoutError::InvalidShape(_))
         )
     }
 

@@ -10,9 +10,9 @@ use std::path::Path;
 
 use plotters::prelude::*;
 
-use super::book::TenantId;
 use super::events::{Event, EventKind};
-use crate::error::{Error, Result};
+use super::ledger::TenantId;
+use crate::error::{Error, PoolError, Result};
 
 const MIB: f64 = (1u64 << 20) as f64;
 
@@ -148,7 +148,7 @@ fn ms(at: std::time::Duration) -> f64 {
 }
 
 fn render_error(error: impl std::fmt::Display) -> Error {
-    Error::Timeline(error.to_string())
+    Error::Pool(PoolError::Timeline(error.to_string()))
 }
 
 /// Draws `events` as an SVG timeline titled `title` and returns the SVG text.
@@ -246,8 +246,8 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::pool::book::ChunkId;
     use crate::pool::events::{BlockId, DrainReason};
+    use crate::pool::ledger::ChunkId;
 
     const M: usize = 1 << 20;
 

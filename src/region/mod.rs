@@ -34,8 +34,11 @@
 //! operation is all or nothing; snapshots you hold keep their memory (also across a sleep).
 
 mod book;
+#[cfg(test)]
+mod proptests;
 mod snapshot;
 mod state;
+mod stats;
 mod switch;
 
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -44,16 +47,17 @@ use cudarc::driver::{CudaContext, CudaStream, DeviceRepr};
 
 use crate::driver;
 
-use crate::driver::vmm::{granularity, Reservation};
-use crate::error::Result;
-use crate::fence::{Fence, FencePolicy};
+use crate::error::{LayoutError, Result};
+use crate::fence::FencePolicy;
 use crate::host::{HostStorage, TransferReport};
 use crate::ids::next_id;
 use crate::pool::Event;
 use crate::strategy::CostModel;
+use crate::vmm_core::{Backend, ReservedRange, Vmm};
 
 pub use snapshot::Snapshot;
 use state::{Fixed, RegionState};
+pub use stats::RegionStats;
 pub use switch::{SwitchStrategy, Switched};
 
 /// Options for [`Region::new`].
@@ -88,30 +92,6 @@ impl RegionOptions {
     }
 }
 
-/// What a region holds, for reports.
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct RegionStats {
-    /// The region's tag.
-    pub tag: String,
-    /// Virtual bytes reserved.
-    pub reserved: usize,
-    /// Bytes of live allocations (granule-rounded).
-    pub allocated: usize,
-    /// Live allocations.
-    pub allocations: usize,
-    /// End of the highest live allocation, from the base.
-    pub span: usize,
-    /// Physical bytes mapped under the region now.
-    pub mapped: usize,
-    /// Mappings that takes.
-    pub mappings: usize,
-    /// Whether the region is asleep.
-    pub asleep: bool,
-    /// Bytes held on the host while asleep.
-    pub host_bytes: usize,
-}
-
 /// One tag's reservation. See the module docs. Cheap to clone (a handle); `Send + Sync`, every
 /// method locks internally.
 #[derive(Clone, Debug)]
@@ -122,8 +102,8 @@ pub struct Region {
 #[derive(Debug)]
 struct RegionInner {
     // Field order is drop order: the state (mappings) goes before the reservation in `fixed`.
-    state: Mutex<RegionState>,
-    fixed: Fixed,
+    state: Mutex<RegionState<Vmm>>,
+    fixed: Fixed<Vmm>,
 }
 
 impl Drop for RegionInner {
@@ -137,20 +117,21 @@ impl Region {
     /// Reserves `options.capacity` bytes of addresses on `ctx`'s device for tag `tag`.
     pub fn new(ctx: &Arc<CudaContext>, tag: &str, options: RegionOptions) -> Result<Region> {
         if tag.is_empty() {
-            return Err(crate::Error::EmptyName);
+            return Err(crate::Error::Layout(LayoutError::EmptyName));
         }
-        let granularity = granularity(ctx, false)?;
+        let backend = Vmm::new(ctx);
+        let granularity = backend.granularity(false)?;
         let capacity = options.capacity.div_ceil(granularity).max(1) * granularity;
-        let reservation = Arc::new(Reservation::new(ctx, capacity, granularity)?);
+        let reservation = backend.reserve(capacity, granularity)?;
+        let fence = backend.fence(options.fence);
         let fixed = Fixed {
             id: next_id(),
             tag: tag.to_string(),
-            ctx: ctx.clone(),
-            access: vec![ctx.ordinal()],
+            backend,
             granularity,
             reservation,
         };
-        let state = RegionState::new(&fixed, Fence::new(ctx, options.fence));
+        let state = RegionState::new(&fixed, fence);
         tracing::debug!(
             region = fixed.id,
             tag,
@@ -166,7 +147,7 @@ impl Region {
         })
     }
 
-    fn lock(&self) -> MutexGuard<'_, RegionState> {
+    fn lock(&self) -> MutexGuard<'_, RegionState<Vmm>> {
         // Every operation is all or nothing, so a poisoned lock still guards consistent state.
         self.inner
             .state
@@ -201,7 +182,7 @@ impl Region {
 
     /// The CUDA context the region lives in.
     pub fn context(&self) -> &Arc<CudaContext> {
-        &self.inner.fixed.ctx
+        self.inner.fixed.backend.context()
     }
 
     /// Whether `address` lies in the region's reservation.
@@ -219,9 +200,9 @@ impl Region {
     /// allocations and returns its address, fixed until it is freed. Inside the consolidated
     /// span this needs no driver call; past it, one `cuMemCreate` and one mapping.
     ///
-    /// Errors: [`RegionAsleep`](crate::Error::RegionAsleep),
-    /// [`Unbound`](crate::Error::Unbound), [`VirtualCapacity`](crate::Error::VirtualCapacity),
-    /// [`OutOfMemory`](crate::Error::OutOfMemory); nothing changes on any of them.
+    /// Errors: [`RegionAsleep`](crate::error::RegionError::RegionAsleep),
+    /// [`Unbound`](crate::error::GraphError::Unbound), [`VirtualCapacity`](crate::error::PoolError::VirtualCapacity),
+    /// [`OutOfMemory`](crate::error::DriverError::OutOfMemory); nothing changes on any of them.
     pub fn alloc(&self, bytes: usize) -> Result<u64> {
         self.lock().alloc(&self.inner.fixed, bytes)
     }
@@ -229,7 +210,7 @@ impl Region {
     /// Frees the allocation starting at `address`; returns the bytes it was asked with. Inside
     /// the consolidated span the memory stays mapped for reuse (no driver call); otherwise the
     /// fence is waited for and its chunk unmapped and released.
-    /// [`UnknownAllocation`](crate::Error::UnknownAllocation) if none starts there.
+    /// [`UnknownAllocation`](crate::error::RegionError::UnknownAllocation) if none starts there.
     pub fn free(&self, address: u64) -> Result<usize> {
         self.lock().free(&self.inner.fixed, address)
     }
@@ -278,14 +259,14 @@ impl Region {
 
     /// Copies every live allocation to `storage` (one batch of copies, one wait), then unmaps
     /// and releases all physical memory under the region. Addresses stay reserved. No-op if
-    /// asleep. [`Unbound`](crate::Error::Unbound) if unbound.
+    /// asleep. [`Unbound`](crate::error::GraphError::Unbound) if unbound.
     pub fn sleep(&self, storage: &HostStorage, stream: &Arc<CudaStream>) -> Result<TransferReport> {
         self.lock().sleep(&self.inner.fixed, storage, stream)
     }
 
     /// Backs the used span with ONE new allocation under ONE mapping and copies the saved bytes
     /// back (with [`HostStorage::Discard`] the contents are undefined). No-op if awake. On
-    /// [`RestoreOutOfMemory`](crate::Error::RestoreOutOfMemory) the region stays asleep with its
+    /// [`RestoreOutOfMemory`](crate::error::OffloadError::RestoreOutOfMemory) the region stays asleep with its
     /// host copy, and a retry works once memory is free.
     pub fn wake(&self, stream: &Arc<CudaStream>) -> Result<TransferReport> {
         self.lock().wake(&self.inner.fixed, stream)
@@ -300,7 +281,9 @@ impl Region {
     /// [`bind`](Region::bind). Consolidates the live backing into one allocation first if it is
     /// made of several, so that every later bind is one mapping.
     pub fn snapshot(&self, stream: &Arc<CudaStream>) -> Result<Snapshot> {
-        self.lock().snapshot(&self.inner.fixed, stream, false)
+        self.lock()
+            .snapshot(&self.inner.fixed, stream, false)
+            .map(Snapshot::from_set)
     }
 
     /// [`Region::snapshot`] in memory another process can import
@@ -308,15 +291,17 @@ impl Region {
     /// [`share::publish`](crate::share::publish) and [`Snapshot::export`]. Its size is the span
     /// rounded up to the exportable granularity.
     pub fn snapshot_shareable(&self, stream: &Arc<CudaStream>) -> Result<Snapshot> {
-        self.lock().snapshot(&self.inner.fixed, stream, true)
+        self.lock()
+            .snapshot(&self.inner.fixed, stream, true)
+            .map(Snapshot::from_set)
     }
 
     /// Wakes a sleeping region straight onto `snapshot` (say, a weight set another process just
     /// published into): one mapping, no allocation, no copy back; the host copy is dropped.
-    /// [`SnapshotMismatch`](crate::Error::SnapshotMismatch) if the region is awake (bind
+    /// [`SnapshotMismatch`](crate::error::RegionError::SnapshotMismatch) if the region is awake (bind
     /// instead) or the snapshot is not this region's; all or nothing.
     pub fn wake_onto(&self, snapshot: &Snapshot) -> Result<()> {
-        self.lock().wake_onto(&self.inner.fixed, snapshot)
+        self.lock().wake_onto(&self.inner.fixed, &snapshot.set)
     }
 
     /// A fingerprint of where the live allocations sit (offsets and sizes): a process importing
@@ -330,15 +315,15 @@ impl Region {
     /// [switch](Region::switch_to) it is the region's own live set, which the next copy switch
     /// overwrites: take a [snapshot](Region::snapshot) to keep those contents.
     pub fn bound(&self) -> Option<Snapshot> {
-        self.lock().bound()
+        self.lock().bound().map(Snapshot::from_set)
     }
 
     /// Puts `snapshot` under the region's addresses: fence, one unmap, one map, one set-access.
     /// All or nothing; binding the bound snapshot is a no-op.
-    /// [`SnapshotMismatch`](crate::Error::SnapshotMismatch) for a snapshot of another region or
+    /// [`SnapshotMismatch`](crate::error::RegionError::SnapshotMismatch) for a snapshot of another region or
     /// one shorter than the region's span.
     pub fn bind(&self, snapshot: &Snapshot) -> Result<()> {
-        self.lock().bind(&self.inner.fixed, snapshot)
+        self.lock().bind(&self.inner.fixed, &snapshot.set)
     }
 
     /// Copies `snapshot`'s contents (the region's used span) over the weight set bound now,
@@ -355,13 +340,13 @@ impl Region {
     /// gone. [`Region::switch_to`] never does that to your sets.
     ///
     /// Refused, with nothing changed:
-    /// [`SnapshotMismatch`](crate::Error::SnapshotMismatch) for a snapshot of another region,
+    /// [`SnapshotMismatch`](crate::error::RegionError::SnapshotMismatch) for a snapshot of another region,
     /// one shorter than the span, or allocations past the bound set;
-    /// [`RegionAsleep`](crate::Error::RegionAsleep); [`Unbound`](crate::Error::Unbound);
-    /// [`BindDuringCapture`](crate::Error::BindDuringCapture) while `stream` (or an attached
+    /// [`RegionAsleep`](crate::error::RegionError::RegionAsleep); [`Unbound`](crate::error::GraphError::Unbound);
+    /// [`BindDuringCapture`](crate::error::GraphError::BindDuringCapture) while `stream` (or an attached
     /// stream, or this thread) is capturing. Loading the bound snapshot is a no-op.
     pub fn load(&self, snapshot: &Snapshot, stream: &Arc<CudaStream>) -> Result<()> {
-        self.lock().load(&self.inner.fixed, snapshot, stream)
+        self.lock().load(&self.inner.fixed, &snapshot.set, stream)
     }
 
     /// Makes the region read `snapshot`'s contents the way `strategy` says, and returns which
@@ -382,10 +367,10 @@ impl Region {
     /// tens of milliseconds and 1 GiB of device memory for the duration). Switching to the
     /// bound snapshot is a no-op ([`Switched::Remapped`]). An unbound region can be switched.
     ///
-    /// Refused, with nothing changed: [`SnapshotMismatch`](crate::Error::SnapshotMismatch)
+    /// Refused, with nothing changed: [`SnapshotMismatch`](crate::error::RegionError::SnapshotMismatch)
     /// (another region's snapshot, one shorter than the span, allocations past the bound set),
-    /// [`RegionAsleep`](crate::Error::RegionAsleep),
-    /// [`BindDuringCapture`](crate::Error::BindDuringCapture) while `stream` (or an attached
+    /// [`RegionAsleep`](crate::error::RegionError::RegionAsleep),
+    /// [`BindDuringCapture`](crate::error::GraphError::BindDuringCapture) while `stream` (or an attached
     /// stream, or this thread) is capturing, whatever the strategy.
     ///
     /// ```no_run
@@ -416,7 +401,7 @@ impl Region {
         stream: &Arc<CudaStream>,
     ) -> Result<Switched> {
         // First, as calibrating (which synchronizes and allocates) must not run in a capture.
-        self.lock().check_not_capturing(stream)?;
+        self.lock().check_not_capturing(&self.inner.fixed, stream)?;
         let model = match strategy {
             // Calibrated outside the region's lock: it takes tens of milliseconds, once.
             SwitchStrategy::Auto => Some(CostModel::for_device(self.context())?),
@@ -424,7 +409,7 @@ impl Region {
         };
         self.lock().switch_to(
             &self.inner.fixed,
-            snapshot,
+            &snapshot.set,
             strategy,
             model.as_ref(),
             stream,
@@ -433,13 +418,13 @@ impl Region {
 
     /// Unmaps the span (after the fence) and lets go of its snapshot (keep [`Region::bound`]
     /// first to bind it back later). Replays guarded by the region then fail with
-    /// [`Unbound`](crate::Error::Unbound) until a bind.
+    /// [`Unbound`](crate::error::GraphError::Unbound) until a bind.
     pub fn unbind(&self) -> Result<()> {
         self.lock().unbind(&self.inner.fixed)
     }
 
     /// `Ok` if a graph over the region may replay now;
-    /// [`RegionAsleep`](crate::Error::RegionAsleep) or [`Unbound`](crate::Error::Unbound)
+    /// [`RegionAsleep`](crate::error::RegionError::RegionAsleep) or [`Unbound`](crate::error::GraphError::Unbound)
     /// otherwise. The replay guard calls this for every tag a graph uses.
     pub fn check_replayable(&self) -> Result<()> {
         self.lock().check_replayable(&self.inner.fixed)

@@ -5,12 +5,70 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::CudaContext;
 
-use crate::driver;
-use crate::driver::vmm::{Mapping, Physical, Reservation};
+use crate::driver::vmm::Physical;
 use crate::error::Result;
+use crate::vmm_core::{Backend, MappedRange, PhysicalMemory, Vmm};
 
 /// The region id of an imported snapshot: ids start at 1, so no region of this process has it.
 const IMPORTED: u64 = 0;
+
+/// A weight set on any [`Backend`]: what [`Snapshot`] is on the real driver, and what the
+/// region state machine handles (tests run it on the fake driver).
+#[derive(Debug)]
+pub(crate) struct WeightSet<B: Backend> {
+    pub(super) id: u64,
+    pub(super) region_id: u64,
+    backend: B,
+    // Field order is drop order: the home mapping is unmapped first, then the memory is
+    // released, then the home address range is freed (the mapping holds the range too, but
+    // this last handle makes the range outlive the memory).
+    home: Mutex<Option<B::Mapping>>,
+    pub(super) memory: Arc<B::Memory>,
+    home_range: Mutex<Option<B::Reservation>>,
+}
+
+impl<B: Backend> WeightSet<B> {
+    pub(super) fn new(id: u64, region_id: u64, backend: &B, memory: Arc<B::Memory>) -> Arc<Self> {
+        Arc::new(Self {
+            id,
+            region_id,
+            backend: backend.clone(),
+            home: Mutex::new(None),
+            memory,
+            home_range: Mutex::new(None),
+        })
+    }
+
+    pub(super) fn bytes(&self) -> usize {
+        self.memory.bytes()
+    }
+
+    /// The set's private address, mapped on first use (one map and set-access).
+    pub(super) fn home_ptr(&self) -> Result<u64> {
+        let mut home = self.home.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(mapping) = home.as_ref() {
+            return Ok(mapping.ptr());
+        }
+        let (range, mapping) = self.backend.map_alone(&self.memory)?;
+        let ptr = mapping.ptr();
+        *self.home_range.lock().unwrap_or_else(|p| p.into_inner()) = Some(range);
+        *home = Some(mapping);
+        Ok(ptr)
+    }
+}
+
+impl<B: Backend> Drop for WeightSet<B> {
+    fn drop(&mut self) {
+        let home = self.home.get_mut().unwrap_or_else(|p| p.into_inner());
+        if let Some(mapping) = home {
+            // Work on the home address is not tracked: wait for everything before unmapping.
+            if let Err(error) = self.backend.synchronize_device() {
+                tracing::error!(%error, snapshot = self.id, "waiting before unmapping a snapshot failed; leaking it");
+                mapping.leak_on_drop();
+            }
+        }
+    }
+}
 
 /// A weight set: ONE physical allocation laid out like its region's used span, so binding it is
 /// one mapping whatever the number of allocations. Cheap to clone; the memory lives while any
@@ -20,91 +78,50 @@ const IMPORTED: u64 = 0;
 /// written whether or not it is bound.
 #[derive(Clone, Debug)]
 pub struct Snapshot {
-    pub(super) inner: Arc<SnapshotInner>,
-}
-
-#[derive(Debug)]
-pub(super) struct SnapshotInner {
-    pub(super) id: u64,
-    pub(super) region_id: u64,
-    ctx: Arc<CudaContext>,
-    access: Vec<usize>,
-    // Field order is drop order: the home mapping is unmapped first, then the memory is
-    // released, then the home address range is freed (the mapping holds the range too, but
-    // this last handle makes the range outlive the memory).
-    home: Mutex<Option<Mapping>>,
-    pub(super) physical: Arc<Physical>,
-    home_range: Mutex<Option<Arc<Reservation>>>,
+    pub(super) set: Arc<WeightSet<Vmm>>,
 }
 
 impl Snapshot {
-    pub(super) fn new(
-        id: u64,
-        region_id: u64,
-        ctx: &Arc<CudaContext>,
-        physical: Arc<Physical>,
-        access: &[usize],
-    ) -> Self {
-        Self {
-            inner: Arc::new(SnapshotInner {
-                id,
-                region_id,
-                ctx: ctx.clone(),
-                access: access.to_vec(),
-                home: Mutex::new(None),
-                physical,
-                home_range: Mutex::new(None),
-            }),
-        }
+    pub(super) fn from_set(set: Arc<WeightSet<Vmm>>) -> Self {
+        Self { set }
     }
 
     /// Unique for the life of the process.
     pub fn id(&self) -> u64 {
-        self.inner.id
+        self.set.id
     }
 
     /// The id of the region it was taken from (and can be bound into).
     pub fn region_id(&self) -> u64 {
-        self.inner.region_id
+        self.set.region_id
     }
 
     /// Bytes of physical memory: the region's used span when it was taken.
     pub fn bytes(&self) -> usize {
-        self.inner.physical.bytes()
+        self.set.bytes()
     }
 
     /// The snapshot's private address, mapped on first use (one map and set-access). Work
     /// enqueued there must be finished before the last handle drops: dropping waits for the
     /// whole context first.
     pub fn home_ptr(&self) -> Result<u64> {
-        let mut home = self.inner.home.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(mapping) = home.as_ref() {
-            return Ok(mapping.ptr());
-        }
-        let mapping = Mapping::alone(&self.inner.ctx, &self.inner.physical, &self.inner.access)?;
-        let ptr = mapping.ptr();
-        *self
-            .inner
-            .home_range
-            .lock()
-            .unwrap_or_else(|p| p.into_inner()) = Some(mapping.reservation().clone());
-        *home = Some(mapping);
-        Ok(ptr)
+        self.set.home_ptr()
     }
 
-    /// Whether it was made exportable ([`Region::snapshot_shareable`](super::Region::snapshot_shareable)
+    /// Whether it was made exportable
+    /// ([`Region::snapshot_shareable`](super::Region::snapshot_shareable)
     /// or imported from another process).
     pub fn is_shareable(&self) -> bool {
-        self.inner.physical.shareable()
+        self.set.memory.shareable()
     }
 
     /// A new POSIX file descriptor for this memory (`cuMemExportToShareableHandle`), to send
     /// to another process ([`share::publish`](crate::share::publish) does). The descriptor is
     /// owned: it closes on drop; the memory lives on in every process that imported it.
-    /// [`NotShareable`](crate::Error::NotShareable) unless made with
+    /// [`NotShareable`](crate::error::ShareError::NotShareable) unless made with
     /// [`Region::snapshot_shareable`](super::Region::snapshot_shareable).
     pub fn export(&self) -> Result<OwnedFd> {
-        self.inner.physical.export()
+        self.set.memory.export()
     }
 
     /// `bytes` of memory another process exported, imported into `ctx`
@@ -119,37 +136,24 @@ impl Snapshot {
         bytes: usize,
         access: &[usize],
     ) -> Result<Self> {
-        let physical = Arc::new(Physical::import(ctx, fd, bytes)?);
-        Ok(Self::new(
+        let memory = Arc::new(Physical::import(ctx, fd, bytes)?);
+        let backend = Vmm::with_access(ctx, access);
+        Ok(Self::from_set(WeightSet::new(
             crate::ids::next_id(),
             IMPORTED,
-            ctx,
-            physical,
-            access,
-        ))
+            &backend,
+            memory,
+        )))
     }
 
     /// Whether it came from another process
     /// ([`receive_weight_set`](crate::share::publish::receive_weight_set)).
     pub fn is_imported(&self) -> bool {
-        self.inner.region_id == IMPORTED
+        self.set.region_id == IMPORTED
     }
 
     /// Whether `self` and `other` are handles to the same memory.
     pub fn same_as(&self, other: &Snapshot) -> bool {
-        Arc::ptr_eq(&self.inner, &other.inner)
-    }
-}
-
-impl Drop for SnapshotInner {
-    fn drop(&mut self) {
-        let home = self.home.get_mut().unwrap_or_else(|p| p.into_inner());
-        if let Some(mapping) = home {
-            // Work on the home address is not tracked: wait for everything before unmapping.
-            if let Err(error) = driver::synchronize_context(&self.ctx) {
-                tracing::error!(%error, snapshot = self.id, "waiting before unmapping a snapshot failed; leaking it");
-                mapping.leak_on_drop();
-            }
-        }
+        Arc::ptr_eq(&self.set, &other.set)
     }
 }

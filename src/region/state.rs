@@ -7,61 +7,67 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{CudaContext, CudaStream};
-
 use super::book::RegionBook;
-use super::snapshot::Snapshot;
+use super::snapshot::WeightSet;
+use super::stats::RegionStats;
 use super::switch::{SwitchStrategy, Switched};
-use super::RegionStats;
-use crate::driver;
-use crate::driver::vmm::{Mapping, Physical, Reservation};
-use crate::error::{Error, Result};
-use crate::fence::Fence;
-use crate::host::{self, HostCopy, HostStorage, Piece, StorageUsed, TransferReport};
+use crate::error::{
+    DriverError, Error, GraphError, LayoutError, OffloadError, PoolError, RegionError, Result,
+};
+use crate::host::{HostStorage, Piece, StorageUsed, TransferReport};
 use crate::ids::next_id;
 use crate::pool::{BlockId, ChunkId, Event, EventKind, EventLog, TenantId};
 use crate::strategy::CostModel;
+use crate::vmm_core::{Backend, MappedRange, PhysicalMemory, ReservedRange, Waiter};
 
 /// What the consolidated span is backed by while awake and bound.
 #[derive(Debug)]
-struct SpanBinding {
-    snapshot: Snapshot,
-    mapping: Mapping,
+struct SpanBinding<B: Backend> {
+    // Field order is drop order: unmapped before the set's handle goes.
+    mapping: B::Mapping,
+    snapshot: Arc<WeightSet<B>>,
+}
+
+/// An allocation the span does not back: its own chunk, mapped at its offset.
+#[derive(Debug)]
+struct OwnChunk<B: Backend> {
+    // Field order is drop order: unmapped before the memory is released.
+    mapping: B::Mapping,
+    memory: Arc<B::Memory>,
 }
 
 /// While asleep: the saved bytes and where they came from.
 #[derive(Debug)]
-struct Sleeping {
-    copy: HostCopy,
+struct Sleeping<B: Backend> {
+    copy: B::HostCopy,
     /// `(offset in the region, offset in the host copy, bytes)` of every saved run.
     runs: Vec<(usize, usize, usize)>,
 }
 
 /// The fixed facts of a region, shared by its state's operations.
 #[derive(Debug)]
-pub(super) struct Fixed {
+pub(super) struct Fixed<B: Backend> {
     pub id: u64,
     pub tag: String,
-    pub ctx: Arc<CudaContext>,
-    pub access: Vec<usize>,
+    pub backend: B,
     pub granularity: usize,
-    pub reservation: Arc<Reservation>,
+    pub reservation: B::Reservation,
 }
 
 #[derive(Debug)]
-pub(super) struct RegionState {
+pub(super) struct RegionState<B: Backend> {
     book: RegionBook,
     /// Chunks of the allocations the span does not back, by offset.
-    pieces: BTreeMap<usize, Mapping>,
-    span: Option<SpanBinding>,
+    pieces: BTreeMap<usize, OwnChunk<B>>,
+    span: Option<SpanBinding<B>>,
     /// Set by `unbind`: the span is deliberately unmapped.
     unbound: bool,
     /// The region's own weight set for copy switches: made and bound on the first one, copied
     /// into by each; never a set a caller made. Dropped on sleep, unbind, and a snapshot after
     /// the region outgrew it, so it holds memory only while copy switches may use it.
-    live: Option<Snapshot>,
-    sleeping: Option<Sleeping>,
-    pub(super) fence: Fence,
+    live: Option<Arc<WeightSet<B>>>,
+    sleeping: Option<Sleeping<B>>,
+    pub(super) fence: B::Fence,
     events: EventLog,
     next_chunk: u32,
 }
@@ -72,8 +78,8 @@ fn epoch() -> Instant {
     *EPOCH.get_or_init(Instant::now)
 }
 
-impl RegionState {
-    pub fn new(fixed: &Fixed, fence: Fence) -> Self {
+impl<B: Backend> RegionState<B> {
+    pub fn new(fixed: &Fixed<B>, fence: B::Fence) -> Self {
         let mut state = Self {
             book: RegionBook::new(fixed.reservation.bytes(), fixed.granularity),
             pieces: BTreeMap::new(),
@@ -95,7 +101,7 @@ impl RegionState {
         state
     }
 
-    fn log(&mut self, fixed: &Fixed, kind: EventKind, offset: usize, bytes: usize) {
+    fn log(&mut self, fixed: &Fixed<B>, kind: EventKind, offset: usize, bytes: usize) {
         self.events.push(Event {
             at: epoch().elapsed(),
             kind,
@@ -105,7 +111,7 @@ impl RegionState {
         });
     }
 
-    fn log_map(&mut self, fixed: &Fixed, offset: usize, bytes: usize, map: bool) {
+    fn log_map(&mut self, fixed: &Fixed<B>, offset: usize, bytes: usize, map: bool) {
         let chunk = ChunkId(self.next_chunk);
         self.next_chunk = self.next_chunk.wrapping_add(1);
         let block = BlockId(offset as u64);
@@ -126,16 +132,16 @@ impl RegionState {
     }
 
     /// `Err(RegionAsleep)` or `Err(Unbound)` unless graphs over the region may replay.
-    pub fn check_replayable(&self, fixed: &Fixed) -> Result<()> {
+    pub fn check_replayable(&self, fixed: &Fixed<B>) -> Result<()> {
         if self.sleeping.is_some() {
-            return Err(Error::RegionAsleep {
+            return Err(Error::Region(RegionError::RegionAsleep {
                 tag: fixed.tag.clone(),
-            });
+            }));
         }
         if self.unbound {
-            return Err(Error::Unbound {
+            return Err(Error::Graph(GraphError::Unbound {
                 group: fixed.tag.clone(),
-            });
+            }));
         }
         Ok(())
     }
@@ -144,7 +150,7 @@ impl RegionState {
         self.sleeping.is_some()
     }
 
-    pub fn allocation_at(&self, fixed: &Fixed, address: u64) -> Option<(u64, usize)> {
+    pub fn allocation_at(&self, fixed: &Fixed<B>, address: u64) -> Option<(u64, usize)> {
         let offset = offset_of(fixed, address)?;
         self.book
             .containing(offset)
@@ -152,47 +158,50 @@ impl RegionState {
     }
 
     /// `Ok` if `[address, address + bytes)` lies inside one live allocation and is mapped now.
-    pub fn require_mapped(&self, fixed: &Fixed, address: u64, bytes: usize) -> Result<()> {
+    pub fn require_mapped(&self, fixed: &Fixed<B>, address: u64, bytes: usize) -> Result<()> {
         self.check_replayable(fixed)?;
-        let offset = offset_of(fixed, address).ok_or(Error::UnknownAllocation { address })?;
+        let offset = offset_of(fixed, address)
+            .ok_or(Error::Region(RegionError::UnknownAllocation { address }))?;
         let (start, allocation) = self
             .book
             .containing(offset)
-            .ok_or(Error::UnknownAllocation { address })?;
+            .ok_or(Error::Region(RegionError::UnknownAllocation { address }))?;
         crate::buffer::require_range("region copy", allocation.rounded, offset - start, bytes)
     }
 
-    pub fn alloc(&mut self, fixed: &Fixed, bytes: usize) -> Result<u64> {
+    pub fn alloc(&mut self, fixed: &Fixed<B>, bytes: usize) -> Result<u64> {
         self.check_replayable(fixed)?;
         if bytes == 0 {
-            return Err(Error::InvalidShape(format!(
+            return Err(Error::Layout(LayoutError::InvalidShape(format!(
                 "region `{}`: an allocation of 0 bytes",
                 fixed.tag
-            )));
+            ))));
         }
-        let placement = self
-            .book
-            .place(bytes)
-            .map_err(|largest| Error::VirtualCapacity {
+        let placement = self.book.place(bytes).map_err(|largest| {
+            Error::Pool(PoolError::VirtualCapacity {
                 tenant: fixed.tag.clone(),
                 asked: bytes,
                 capacity: fixed.reservation.bytes(),
                 largest_free_run: largest,
-            })?;
+            })
+        })?;
         if !placement.backed {
-            let mapped = Physical::new(&fixed.ctx, placement.rounded, false).and_then(|memory| {
-                Mapping::new(
-                    &fixed.reservation,
-                    placement.offset,
-                    &Arc::new(memory),
-                    0,
-                    placement.rounded,
-                    &fixed.access,
-                )
-            });
+            let mapped = fixed
+                .backend
+                .create_memory(placement.rounded, false)
+                .and_then(|memory| {
+                    let memory = Arc::new(memory);
+                    let mapping = fixed.backend.map(
+                        &fixed.reservation,
+                        placement.offset,
+                        &memory,
+                        placement.rounded,
+                    )?;
+                    Ok(OwnChunk { mapping, memory })
+                });
             match mapped {
-                Ok(mapping) => {
-                    self.pieces.insert(placement.offset, mapping);
+                Ok(chunk) => {
+                    self.pieces.insert(placement.offset, chunk);
                     self.log_map(fixed, placement.offset, placement.rounded, true);
                 }
                 Err(error) => {
@@ -211,8 +220,8 @@ impl RegionState {
         Ok(fixed.reservation.base() + placement.offset as u64)
     }
 
-    pub fn free(&mut self, fixed: &Fixed, address: u64) -> Result<usize> {
-        let unknown = || Error::UnknownAllocation { address };
+    pub fn free(&mut self, fixed: &Fixed<B>, address: u64) -> Result<usize> {
+        let unknown = || Error::Region(RegionError::UnknownAllocation { address });
         let offset = offset_of(fixed, address).ok_or_else(unknown)?;
         let allocation = self.book.get(offset).ok_or_else(unknown)?;
         let own_chunk = self.pieces.contains_key(&offset);
@@ -237,18 +246,18 @@ impl RegionState {
     /// Saves every live allocation, then releases all physical memory under the region.
     pub fn sleep(
         &mut self,
-        fixed: &Fixed,
+        fixed: &Fixed<B>,
         storage: &HostStorage,
-        stream: &Arc<CudaStream>,
+        stream: &B::Stream,
     ) -> Result<TransferReport> {
         let start = Instant::now();
         if self.sleeping.is_some() {
             return Ok(report(fixed, 0, start, StorageUsed::Discarded));
         }
         if self.unbound {
-            return Err(Error::Unbound {
+            return Err(Error::Graph(GraphError::Unbound {
                 group: fixed.tag.clone(),
-            });
+            }));
         }
         self.fence.wait()?;
         let base = fixed.reservation.base();
@@ -266,14 +275,14 @@ impl RegionState {
                 bytes,
             })
             .collect();
-        let copy = host::copy::save_pieces(storage, stream, &pieces)?;
-        let used = copy.storage();
+        let copy = fixed.backend.save(storage, stream, &pieces)?;
+        let used = B::storage_used(&copy);
         let mut unmapped = Vec::new();
         if let Some(span) = self.span.take() {
             unmapped.push((0, span.mapping.bytes()));
         }
-        for (&offset, mapping) in &self.pieces {
-            unmapped.push((offset, mapping.bytes()));
+        for (&offset, chunk) in &self.pieces {
+            unmapped.push((offset, chunk.mapping.bytes()));
         }
         self.pieces.clear(); // unmaps and releases, after the fence above
         for (offset, bytes) in unmapped {
@@ -286,23 +295,23 @@ impl RegionState {
     }
 
     /// Backs the used span with ONE new allocation and copies the saved bytes back.
-    pub fn wake(&mut self, fixed: &Fixed, stream: &Arc<CudaStream>) -> Result<TransferReport> {
+    pub fn wake(&mut self, fixed: &Fixed<B>, stream: &B::Stream) -> Result<TransferReport> {
         let start = Instant::now();
         let Some(sleeping) = &self.sleeping else {
             return Ok(report(fixed, 0, start, StorageUsed::Arena));
         };
-        let used = sleeping.copy.storage();
+        let used = B::storage_used(&sleeping.copy);
         let span = self.book.span_end();
         let mut restored = 0;
         if span > 0 {
             let binding = match new_span_binding(fixed, span) {
-                Err(Error::OutOfMemory { .. }) => {
-                    let free = driver::memory_info(&fixed.ctx).map_or(0, |(free, _)| free);
-                    return Err(Error::RestoreOutOfMemory {
+                Err(Error::Driver(DriverError::OutOfMemory { .. })) => {
+                    let free = fixed.backend.free_memory();
+                    return Err(Error::Offload(OffloadError::RestoreOutOfMemory {
                         dataset: fixed.id,
                         asked: span,
                         free,
-                    });
+                    }));
                 }
                 other => other?,
             };
@@ -318,7 +327,7 @@ impl RegionState {
                 .collect();
             restored = pieces.iter().map(|p| p.bytes).sum();
             // On failure `binding` drops here: unmapped at once, nothing used it yet.
-            host::copy::load_pieces(&sleeping.copy, stream, &pieces)?;
+            fixed.backend.load(&sleeping.copy, stream, &pieces)?;
             self.span = Some(binding);
             self.book.set_consolidated(span);
             self.log_map(fixed, 0, span, true);
@@ -329,44 +338,43 @@ impl RegionState {
 
     /// Folds every piece (and a span shorter than the used span) into one allocation under one
     /// mapping. All or nothing: the old backing is mapped back if the new one cannot be.
-    fn consolidate(&mut self, fixed: &Fixed, stream: &Arc<CudaStream>) -> Result<()> {
+    fn consolidate(&mut self, fixed: &Fixed<B>, stream: &B::Stream) -> Result<()> {
         let span_end = self.book.span_end();
         let current = self.span.as_ref().map_or(0, |s| s.mapping.bytes());
         if self.pieces.is_empty() && current == span_end {
             return Ok(());
         }
-        let physical = Arc::new(Physical::new(&fixed.ctx, span_end, false)?);
-        let target = Snapshot::new(
-            next_id(),
-            fixed.id,
-            &fixed.ctx,
-            physical.clone(),
-            &fixed.access,
-        );
+        let physical = Arc::new(fixed.backend.create_memory(span_end, false)?);
+        let target = WeightSet::new(next_id(), fixed.id, &fixed.backend, physical.clone());
         let home = target.home_ptr()?;
         // Every earlier use of the region must be done before its bytes are read and unmapped.
         self.fence.wait()?;
         let base = fixed.reservation.base();
         for (offset, bytes) in self.book.live_runs() {
-            driver::copy_device(stream, base + offset as u64, home + offset as u64, bytes)?;
+            fixed
+                .backend
+                .copy_device(stream, base + offset as u64, home + offset as u64, bytes)?;
         }
-        driver::synchronize_stream(stream)?;
+        fixed.backend.synchronize(stream)?;
         // Unmap the old backing, keeping its memory to map back on failure.
         let old_span = self.span.take();
         let old_pieces = std::mem::take(&mut self.pieces);
         let keep_span = old_span.as_ref().map(|s| s.snapshot.clone());
-        let keep_pieces: Vec<(usize, Arc<Physical>)> = old_pieces
+        let keep_pieces: Vec<(usize, Arc<B::Memory>)> = old_pieces
             .iter()
-            .map(|(&offset, m)| (offset, m.physical().clone()))
+            .map(|(&offset, chunk)| (offset, chunk.memory.clone()))
             .collect();
         let unmapped: Vec<(usize, usize)> = old_span
             .iter()
             .map(|s| (0, s.mapping.bytes()))
-            .chain(old_pieces.iter().map(|(&o, m)| (o, m.bytes())))
+            .chain(old_pieces.iter().map(|(&o, c)| (o, c.mapping.bytes())))
             .collect();
         drop(old_span);
         drop(old_pieces);
-        match Mapping::new(&fixed.reservation, 0, &physical, 0, span_end, &fixed.access) {
+        match fixed
+            .backend
+            .map(&fixed.reservation, 0, &physical, span_end)
+        {
             Ok(mapping) => {
                 for (offset, bytes) in unmapped {
                     self.log_map(fixed, offset, bytes, false);
@@ -390,27 +398,28 @@ impl RegionState {
 
     fn map_back(
         &mut self,
-        fixed: &Fixed,
-        span: Option<Snapshot>,
-        pieces: Vec<(usize, Arc<Physical>)>,
+        fixed: &Fixed<B>,
+        span: Option<Arc<WeightSet<B>>>,
+        pieces: Vec<(usize, Arc<B::Memory>)>,
     ) -> Result<()> {
         if let Some(snapshot) = span {
             let bytes = snapshot.bytes();
-            let physical = snapshot.inner.physical.clone();
-            let mapping = Mapping::new(&fixed.reservation, 0, &physical, 0, bytes, &fixed.access)?;
+            let physical = snapshot.memory.clone();
+            let mapping = fixed.backend.map(&fixed.reservation, 0, &physical, bytes)?;
             self.span = Some(SpanBinding { snapshot, mapping });
         }
         for (offset, physical) in pieces {
             let bytes = physical.bytes();
-            let mapping = Mapping::new(
-                &fixed.reservation,
+            let mapping = fixed
+                .backend
+                .map(&fixed.reservation, offset, &physical, bytes)?;
+            self.pieces.insert(
                 offset,
-                &physical,
-                0,
-                bytes,
-                &fixed.access,
-            )?;
-            self.pieces.insert(offset, mapping);
+                OwnChunk {
+                    mapping,
+                    memory: physical,
+                },
+            );
         }
         Ok(())
     }
@@ -419,17 +428,17 @@ impl RegionState {
     /// POSIX file descriptor (its size then rounded up to the shareable granularity).
     pub fn snapshot(
         &mut self,
-        fixed: &Fixed,
-        stream: &Arc<CudaStream>,
+        fixed: &Fixed<B>,
+        stream: &B::Stream,
         shareable: bool,
-    ) -> Result<Snapshot> {
+    ) -> Result<Arc<WeightSet<B>>> {
         self.check_replayable(fixed)?;
         let span_end = self.book.span_end();
         if span_end == 0 {
-            return Err(Error::InvalidShape(format!(
+            return Err(Error::Layout(LayoutError::InvalidShape(format!(
                 "region `{}` has no allocations to snapshot",
                 fixed.tag
-            )));
+            ))));
         }
         let bytes = if shareable {
             shareable_size(fixed, span_end)?
@@ -437,12 +446,14 @@ impl RegionState {
             span_end
         };
         self.consolidate(fixed, stream)?;
-        let physical = Arc::new(Physical::new(&fixed.ctx, bytes, shareable)?);
-        let snapshot = Snapshot::new(next_id(), fixed.id, &fixed.ctx, physical, &fixed.access);
+        let physical = Arc::new(fixed.backend.create_memory(bytes, shareable)?);
+        let snapshot = WeightSet::new(next_id(), fixed.id, &fixed.backend, physical);
         let home = snapshot.home_ptr()?;
         // The span is one mapping now: one copy.
-        driver::copy_device(stream, fixed.reservation.base(), home, span_end)?;
-        driver::synchronize_stream(stream)?;
+        fixed
+            .backend
+            .copy_device(stream, fixed.reservation.base(), home, span_end)?;
+        fixed.backend.synchronize(stream)?;
         if self.live.as_ref().is_some_and(|l| l.bytes() < span_end) {
             self.live = None; // too short for the span now: the next copy switch makes one
         }
@@ -452,18 +463,18 @@ impl RegionState {
     /// Wakes the region straight onto `snapshot` (a published weight set): ONE mapping of
     /// memory that exists already, no allocation and no copy; the host copy (if any) is dropped.
     /// All or nothing: on an error the region stays asleep with its host copy.
-    pub fn wake_onto(&mut self, fixed: &Fixed, snapshot: &Snapshot) -> Result<()> {
+    pub fn wake_onto(&mut self, fixed: &Fixed<B>, snapshot: &Arc<WeightSet<B>>) -> Result<()> {
         if self.sleeping.is_none() {
-            return Err(Error::SnapshotMismatch {
+            return Err(Error::Region(RegionError::SnapshotMismatch {
                 tag: fixed.tag.clone(),
                 reason: "the region is awake: bind the weight set instead".into(),
-            });
+            }));
         }
         self.require_bindable(fixed, snapshot)?;
         let bytes = snapshot.bytes();
-        let physical = snapshot.inner.physical.clone();
+        let physical = snapshot.memory.clone();
         // Nothing is mapped under the span while asleep, so nothing can be using it.
-        let mapping = Mapping::new(&fixed.reservation, 0, &physical, 0, bytes, &fixed.access)?;
+        let mapping = fixed.backend.map(&fixed.reservation, 0, &physical, bytes)?;
         self.log_map(fixed, 0, bytes, true);
         self.span = Some(SpanBinding {
             snapshot: snapshot.clone(),
@@ -476,12 +487,14 @@ impl RegionState {
     }
 
     /// `Err(SnapshotMismatch)` unless `snapshot` was taken from this region and covers its span.
-    fn require_bindable(&self, fixed: &Fixed, snapshot: &Snapshot) -> Result<()> {
-        let mismatch = |reason: &str| Error::SnapshotMismatch {
-            tag: fixed.tag.clone(),
-            reason: reason.into(),
+    fn require_bindable(&self, fixed: &Fixed<B>, snapshot: &Arc<WeightSet<B>>) -> Result<()> {
+        let mismatch = |reason: &str| {
+            Error::Region(RegionError::SnapshotMismatch {
+                tag: fixed.tag.clone(),
+                reason: reason.into(),
+            })
         };
-        if snapshot.region_id() != fixed.id {
+        if snapshot.region_id != fixed.id {
             return Err(mismatch("the snapshot was taken from another region"));
         }
         if !self.pieces.is_empty() || snapshot.bytes() < self.book.span_end() {
@@ -498,27 +511,29 @@ impl RegionState {
         self.book.fingerprint()
     }
 
-    pub fn bound(&self) -> Option<Snapshot> {
+    pub fn bound(&self) -> Option<Arc<WeightSet<B>>> {
         self.span.as_ref().map(|s| s.snapshot.clone())
     }
 
-    pub fn bind(&mut self, fixed: &Fixed, snapshot: &Snapshot) -> Result<()> {
-        let mismatch = |reason: &str| Error::SnapshotMismatch {
-            tag: fixed.tag.clone(),
-            reason: reason.into(),
+    pub fn bind(&mut self, fixed: &Fixed<B>, snapshot: &Arc<WeightSet<B>>) -> Result<()> {
+        let mismatch = |reason: &str| {
+            Error::Region(RegionError::SnapshotMismatch {
+                tag: fixed.tag.clone(),
+                reason: reason.into(),
+            })
         };
-        if snapshot.region_id() != fixed.id {
+        if snapshot.region_id != fixed.id {
             return Err(mismatch("the snapshot was taken from another region"));
         }
         if self.sleeping.is_some() {
-            return Err(Error::RegionAsleep {
+            return Err(Error::Region(RegionError::RegionAsleep {
                 tag: fixed.tag.clone(),
-            });
+            }));
         }
         if self
             .span
             .as_ref()
-            .is_some_and(|s| s.snapshot.same_as(snapshot))
+            .is_some_and(|s| Arc::ptr_eq(&s.snapshot, snapshot))
         {
             return Ok(());
         }
@@ -533,8 +548,8 @@ impl RegionState {
         let keep = old.as_ref().map(|s| s.snapshot.clone());
         drop(old); // unmaps, after the fence
         let bytes = snapshot.bytes();
-        let physical = snapshot.inner.physical.clone();
-        match Mapping::new(&fixed.reservation, 0, &physical, 0, bytes, &fixed.access) {
+        let physical = snapshot.memory.clone();
+        match fixed.backend.map(&fixed.reservation, 0, &physical, bytes) {
             Ok(mapping) => {
                 if let Some(old_bytes) = old_bytes {
                     self.log_map(fixed, 0, old_bytes, false);
@@ -562,29 +577,29 @@ impl RegionState {
     /// before the copy; loading the bound set is a no-op.
     pub fn load(
         &mut self,
-        fixed: &Fixed,
-        snapshot: &Snapshot,
-        stream: &Arc<CudaStream>,
+        fixed: &Fixed<B>,
+        snapshot: &Arc<WeightSet<B>>,
+        stream: &B::Stream,
     ) -> Result<()> {
-        if snapshot.region_id() != fixed.id {
-            return Err(Error::SnapshotMismatch {
+        if snapshot.region_id != fixed.id {
+            return Err(Error::Region(RegionError::SnapshotMismatch {
                 tag: fixed.tag.clone(),
                 reason: "the snapshot was taken from another region".into(),
-            });
+            }));
         }
         self.check_replayable(fixed)?;
         self.require_bindable(fixed, snapshot)?;
         if self.is_bound(snapshot) {
             return Ok(());
         }
-        check_not_capturing(&self.fence, stream)?;
+        check_not_capturing(&fixed.backend, &self.fence, stream)?;
         self.copy_from(fixed, snapshot, stream)
     }
 
     /// `Err(BindDuringCapture)` while a capture is under way on this thread, on an attached
     /// stream or on `stream`.
-    pub fn check_not_capturing(&self, stream: &CudaStream) -> Result<()> {
-        check_not_capturing(&self.fence, stream)
+    pub fn check_not_capturing(&self, fixed: &Fixed<B>, stream: &B::Stream) -> Result<()> {
+        check_not_capturing(&fixed.backend, &self.fence, stream)
     }
 
     /// Makes the region read `snapshot`'s contents, by remap or by copy into the live set
@@ -592,22 +607,22 @@ impl RegionState {
     /// capture is under way.
     pub fn switch_to(
         &mut self,
-        fixed: &Fixed,
-        snapshot: &Snapshot,
+        fixed: &Fixed<B>,
+        snapshot: &Arc<WeightSet<B>>,
         strategy: SwitchStrategy,
         model: Option<&CostModel>,
-        stream: &Arc<CudaStream>,
+        stream: &B::Stream,
     ) -> Result<Switched> {
-        if snapshot.region_id() != fixed.id {
-            return Err(Error::SnapshotMismatch {
+        if snapshot.region_id != fixed.id {
+            return Err(Error::Region(RegionError::SnapshotMismatch {
                 tag: fixed.tag.clone(),
                 reason: "the snapshot was taken from another region".into(),
-            });
+            }));
         }
         if self.sleeping.is_some() {
-            return Err(Error::RegionAsleep {
+            return Err(Error::Region(RegionError::RegionAsleep {
                 tag: fixed.tag.clone(),
-            });
+            }));
         }
         if self.is_bound(snapshot) {
             return Ok(Switched::Remapped);
@@ -618,7 +633,7 @@ impl RegionState {
             Switched::Remapped => self.bind(fixed, snapshot)?,
             Switched::Copied => self.copy_switch(fixed, snapshot, stream)?,
         }
-        tracing::debug!(region = %fixed.tag, snapshot = snapshot.id(), ?strategy, ?way, "switched");
+        tracing::debug!(region = %fixed.tag, snapshot = snapshot.id, ?strategy, ?way, "switched");
         Ok(way)
     }
 
@@ -627,9 +642,9 @@ impl RegionState {
     /// before is bound again.
     fn copy_switch(
         &mut self,
-        fixed: &Fixed,
-        snapshot: &Snapshot,
-        stream: &Arc<CudaStream>,
+        fixed: &Fixed<B>,
+        snapshot: &Arc<WeightSet<B>>,
+        stream: &B::Stream,
     ) -> Result<()> {
         if self.live.as_ref().is_some_and(|live| self.is_bound(live)) {
             return self.copy_from(fixed, snapshot, stream);
@@ -638,11 +653,11 @@ impl RegionState {
         let live = match &self.live {
             Some(live) if live.bytes() >= span_end => live.clone(),
             _ => {
-                let physical = Arc::new(Physical::new(&fixed.ctx, span_end, false)?);
-                Snapshot::new(next_id(), fixed.id, &fixed.ctx, physical, &fixed.access)
+                let physical = Arc::new(fixed.backend.create_memory(span_end, false)?);
+                WeightSet::new(next_id(), fixed.id, &fixed.backend, physical)
             }
         };
-        let copy_needed = !snapshot.same_as(&live);
+        let copy_needed = !Arc::ptr_eq(snapshot, &live);
         if copy_needed {
             // Map the source before anything changes: the region stays as it is if that fails.
             snapshot.home_ptr()?;
@@ -670,19 +685,21 @@ impl RegionState {
     /// the caller checked that nothing lies past the bound set.
     fn copy_from(
         &mut self,
-        fixed: &Fixed,
-        snapshot: &Snapshot,
-        stream: &Arc<CudaStream>,
+        fixed: &Fixed<B>,
+        snapshot: &Arc<WeightSet<B>>,
+        stream: &B::Stream,
     ) -> Result<()> {
         let bytes = self.book.span_end();
         if bytes == 0 {
             return Ok(());
         }
         let source = snapshot.home_ptr()?;
-        driver::copy_device(stream, source, fixed.reservation.base(), bytes)?;
-        if let Err(error) = self.fence.note_use(stream.cu_stream() as usize as u64) {
+        fixed
+            .backend
+            .copy_device(stream, source, fixed.reservation.base(), bytes)?;
+        if let Err(error) = self.fence.note_use(fixed.backend.stream_key(stream)) {
             // The fence cannot cover the copy: wait for it here, so no unmap runs under it.
-            if let Err(wait) = driver::synchronize_stream(stream) {
+            if let Err(wait) = fixed.backend.synchronize(stream) {
                 tracing::error!(%wait, region = %fixed.tag, "waiting for a weight-set copy failed");
             }
             return Err(error);
@@ -690,24 +707,24 @@ impl RegionState {
         Ok(())
     }
 
-    fn is_bound(&self, snapshot: &Snapshot) -> bool {
+    fn is_bound(&self, snapshot: &Arc<WeightSet<B>>) -> bool {
         self.span
             .as_ref()
-            .is_some_and(|s| s.snapshot.same_as(snapshot))
+            .is_some_and(|s| Arc::ptr_eq(&s.snapshot, snapshot))
     }
 
-    pub fn unbind(&mut self, fixed: &Fixed) -> Result<()> {
+    pub fn unbind(&mut self, fixed: &Fixed<B>) -> Result<()> {
         if self.sleeping.is_some() {
-            return Err(Error::RegionAsleep {
+            return Err(Error::Region(RegionError::RegionAsleep {
                 tag: fixed.tag.clone(),
-            });
+            }));
         }
         if !self.pieces.is_empty() {
-            return Err(Error::SnapshotMismatch {
+            return Err(Error::Region(RegionError::SnapshotMismatch {
                 tag: fixed.tag.clone(),
                 reason: "allocations past the span have no snapshot to bind back: take one first"
                     .into(),
-            });
+            }));
         }
         if self.unbound {
             return Ok(());
@@ -723,10 +740,10 @@ impl RegionState {
         Ok(())
     }
 
-    pub fn stats(&self, fixed: &Fixed) -> RegionStats {
+    pub fn stats(&self, fixed: &Fixed<B>) -> RegionStats {
         let (allocations, allocated) = self.book.allocated();
         let span_mapped = self.span.as_ref().map_or(0, |s| s.mapping.bytes());
-        let pieces_mapped: usize = self.pieces.values().map(Mapping::bytes).sum();
+        let pieces_mapped: usize = self.pieces.values().map(|c| c.mapping.bytes()).sum();
         RegionStats {
             tag: fixed.tag.clone(),
             reserved: fixed.reservation.bytes(),
@@ -740,19 +757,21 @@ impl RegionState {
             host_bytes: self
                 .sleeping
                 .as_ref()
-                .filter(|s| s.copy.storage() != StorageUsed::Discarded)
+                .filter(|s| B::storage_used(&s.copy) != StorageUsed::Discarded)
                 .map_or(0, |s| s.runs.iter().map(|r| r.2).sum()),
         }
     }
 
     /// Unmaps everything (for the region's drop); leaks it if the GPU may still use it.
-    pub fn release_all(&mut self, fixed: &Fixed) {
+    pub fn release_all(&mut self, fixed: &Fixed<B>) {
         if let Err(error) = self.fence.wait() {
             tracing::error!(%error, region = %fixed.tag, "waiting for the GPU before freeing a region failed; leaking it");
             if let Some(span) = &mut self.span {
                 span.mapping.leak_on_drop();
             }
-            self.pieces.values_mut().for_each(Mapping::leak_on_drop);
+            self.pieces
+                .values_mut()
+                .for_each(|c| c.mapping.leak_on_drop());
         }
         self.span = None;
         self.pieces.clear();
@@ -761,37 +780,41 @@ impl RegionState {
 
 /// `Err(BindDuringCapture)` if a capture is under way on this thread, on an attached stream or
 /// on `stream`: a copy enqueued now would be recorded into the graph being captured.
-fn check_not_capturing(fence: &Fence, stream: &CudaStream) -> Result<()> {
+fn check_not_capturing<B: Backend>(
+    backend: &B,
+    fence: &B::Fence,
+    stream: &B::Stream,
+) -> Result<()> {
     fence.check_not_capturing()?;
-    if driver::is_capturing(stream)? {
-        return Err(Error::BindDuringCapture);
+    if backend.is_capturing(stream)? {
+        return Err(Error::Graph(GraphError::BindDuringCapture));
     }
     Ok(())
 }
 
 /// `span_end` rounded up to the granularity of exportable memory, which must be a multiple of
 /// the region's own (it is: both are 2 MiB on current GPUs) so the region can bind it.
-fn shareable_size(fixed: &Fixed, span_end: usize) -> Result<usize> {
-    let shareable = crate::driver::vmm::granularity(&fixed.ctx, true)?;
+fn shareable_size<B: Backend>(fixed: &Fixed<B>, span_end: usize) -> Result<usize> {
+    let shareable = fixed.backend.granularity(true)?;
     if shareable == 0 || !shareable.is_multiple_of(fixed.granularity) {
-        return Err(Error::InvalidShape(format!(
+        return Err(Error::Layout(LayoutError::InvalidShape(format!(
             "region `{}`: exportable memory comes in {shareable} byte granules, not a multiple \
              of the region's {}",
             fixed.tag, fixed.granularity
-        )));
+        ))));
     }
     Ok(span_end.div_ceil(shareable) * shareable)
 }
 
 /// One new allocation of `bytes`, mapped at the region's base.
-fn new_span_binding(fixed: &Fixed, bytes: usize) -> Result<SpanBinding> {
-    let physical = Arc::new(Physical::new(&fixed.ctx, bytes, false)?);
-    let mapping = Mapping::new(&fixed.reservation, 0, &physical, 0, bytes, &fixed.access)?;
-    let snapshot = Snapshot::new(next_id(), fixed.id, &fixed.ctx, physical, &fixed.access);
+fn new_span_binding<B: Backend>(fixed: &Fixed<B>, bytes: usize) -> Result<SpanBinding<B>> {
+    let physical = Arc::new(fixed.backend.create_memory(bytes, false)?);
+    let mapping = fixed.backend.map(&fixed.reservation, 0, &physical, bytes)?;
+    let snapshot = WeightSet::new(next_id(), fixed.id, &fixed.backend, physical);
     Ok(SpanBinding { snapshot, mapping })
 }
 
-fn offset_of(fixed: &Fixed, address: u64) -> Option<usize> {
+fn offset_of<B: Backend>(fixed: &Fixed<B>, address: u64) -> Option<usize> {
     let base = fixed.reservation.base();
     (address >= base && address < base + fixed.reservation.bytes() as u64)
         .then(|| (address - base) as usize)
@@ -815,7 +838,12 @@ fn clip_runs(
     out
 }
 
-fn report(fixed: &Fixed, bytes: usize, start: Instant, storage: StorageUsed) -> TransferReport {
+fn report<B: Backend>(
+    fixed: &Fixed<B>,
+    bytes: usize,
+    start: Instant,
+    storage: StorageUsed,
+) -> TransferReport {
     let report = TransferReport {
         dataset: fixed.id,
         bytes,

@@ -14,7 +14,7 @@ use proptest::test_runner::{Config, TestCaseError, TestRunner};
 
 use super::protocol::{clip, Message, Offer, MAX_MESSAGE, MAX_STRING, PROTOCOL_VERSION};
 use super::{receive_message, send_message};
-use crate::error::{Error, ProtocolError};
+use crate::error::{Error, ProtocolError, ShareError};
 
 /// Cases per property; the four properties together run 100,000 (in a few seconds).
 const DECODE_CASES: u32 = 40_000;
@@ -314,15 +314,15 @@ fn send_frame(
             let mut bytes = (body.len() as u32).to_le_bytes().to_vec();
             bytes.extend_from_slice(body);
             std::io::Write::write_all(&mut &*socket, &bytes).expect("write");
-            let expected = Message::decode(body)
-                .map(|m| (m, 0))
-                .map_err(Error::Protocol);
+            let expected = Message::decode(body).map(|m| (m, 0)).map_err(Error::from);
             (expected, true)
         }
         Frame::Oversized(len) => {
             std::io::Write::write_all(&mut &*socket, &len.to_le_bytes()).expect("write");
             (
-                Err(Error::Protocol(ProtocolError::TooLarge(*len as usize))),
+                Err(Error::Share(ShareError::Protocol(ProtocolError::TooLarge(
+                    *len as usize,
+                )))),
                 false,
             )
         }
@@ -344,7 +344,7 @@ fn send_frame(
                     got: keep - 4,
                 }
             };
-            (Err(Error::Protocol(expected)), false)
+            (Err(Error::Share(ShareError::Protocol(expected))), false)
         }
     }
 }
@@ -355,7 +355,10 @@ fn same(
 ) -> bool {
     match (got, want) {
         (Ok((m, fds)), Ok((wm, wfds))) => m == wm && fds.len() == *wfds,
-        (Err(Error::Protocol(e)), Err(Error::Protocol(we))) => e == we,
+        (
+            Err(Error::Share(ShareError::Protocol(e))),
+            Err(Error::Share(ShareError::Protocol(we))),
+        ) => e == we,
         _ => false,
     }
 }
@@ -382,7 +385,9 @@ fn random_frame_streams_are_read_frame_by_frame_and_leak_no_descriptor() {
         drop(sender);
         if in_sync {
             // Every frame was read whole: what follows is a clean close.
-            expected.push(Err(Error::Protocol(ProtocolError::Closed)));
+            expected.push(Err(Error::Share(ShareError::Protocol(
+                ProtocolError::Closed,
+            ))));
         }
         for (index, want) in expected.iter().enumerate() {
             let got = receive_message(&receiver);

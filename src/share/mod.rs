@@ -22,7 +22,7 @@ use std::os::unix::net::UnixStream;
 use crate::dataset::Dataset;
 use crate::driver::share::{receive_with_fds, send_with_fd};
 use crate::driver::vmm::Physical;
-use crate::error::{Error, Result};
+use crate::error::{Error, LayoutError, Result, ShareError};
 use crate::space::Space;
 
 pub use crate::error::ProtocolError;
@@ -44,15 +44,17 @@ impl Offer {
         uuid: [u8; 16],
     ) -> Result<usize> {
         if self.device_uuid != uuid {
-            return Err(Error::DeviceMismatch {
+            return Err(Error::Share(ShareError::DeviceMismatch {
                 expected: uuid,
                 found: self.device_uuid,
-            });
+            }));
         }
-        let mismatch = || Error::LayoutMismatch {
-            group: self.group.clone(),
-            dataset_layout: self.layout_fingerprint,
-            space_layout: layout.fingerprint(),
+        let mismatch = || {
+            Error::Layout(LayoutError::LayoutMismatch {
+                group: self.group.clone(),
+                dataset_layout: self.layout_fingerprint,
+                space_layout: layout.fingerprint(),
+            })
         };
         let index = placement.group_index(&self.group).map_err(|_| mismatch())?;
         if self.layout_fingerprint != layout.fingerprint()
@@ -140,7 +142,7 @@ pub fn receive_dataset(socket: &UnixStream, space: &Space) -> Result<(Dataset, O
     let (message, mut fds) = receive_message(socket)?;
     let offer = match message {
         Message::Offer(offer) => offer,
-        Message::Reject { reason } => return Err(Error::Rejected { reason }),
+        Message::Reject { reason } => return Err(Error::Share(ShareError::Rejected { reason })),
         Message::Ack { .. } => {
             return Err(ProtocolError::Unexpected {
                 expected: "an offer",
@@ -189,12 +191,13 @@ pub fn send_ack(socket: &UnixStream, dataset: u64) -> Result<()> {
     send_message(socket, &Message::Ack { dataset }, None)
 }
 
-/// Waits for the consumer's answer about `dataset`: `Ok` on its Ack, [`Error::Rejected`] with the
+/// Waits for the consumer's answer about `dataset`: `Ok` on its Ack,
+/// [`ShareError::Rejected`](crate::error::ShareError::Rejected) with the
 /// consumer's reason on a Reject.
 pub fn wait_ack(socket: &UnixStream, dataset: u64) -> Result<()> {
     match receive_message(socket)?.0 {
         Message::Ack { dataset: acked } if acked == dataset => Ok(()),
-        Message::Reject { reason } => Err(Error::Rejected { reason }),
+        Message::Reject { reason } => Err(Error::Share(ShareError::Rejected { reason })),
         _ => Err(ProtocolError::Unexpected {
             expected: "an ack for this dataset",
         }
@@ -272,14 +275,14 @@ mod tests {
             assert!(
                 matches!(
                     bad.check(&layout, &placement, [7; 16]),
-                    Err(Error::LayoutMismatch { .. })
+                    Err(Error::Layout(LayoutError::LayoutMismatch { .. }))
                 ),
                 "{bad:?}"
             );
         }
         assert!(matches!(
             good.check(&layout, &placement, [8; 16]),
-            Err(Error::DeviceMismatch { .. })
+            Err(Error::Share(ShareError::DeviceMismatch { .. }))
         ));
     }
 
@@ -343,17 +346,19 @@ mod tests {
         std::io::Write::write_all(&mut &a, &[5, 0, 0, 0, b'n', b'o', b'p', b'e', b'!']).unwrap();
         assert!(matches!(
             receive_message(&b),
-            Err(Error::Protocol(ProtocolError::BadMagic))
+            Err(Error::Share(ShareError::Protocol(ProtocolError::BadMagic)))
         ));
         std::io::Write::write_all(&mut &a, &[200, 0, 0, 0, b'S']).unwrap();
         drop(a);
         assert!(matches!(
             receive_message(&b),
-            Err(Error::Protocol(ProtocolError::Truncated { .. }))
+            Err(Error::Share(ShareError::Protocol(
+                ProtocolError::Truncated { .. }
+            )))
         ));
         assert!(matches!(
             receive_message(&b),
-            Err(Error::Protocol(ProtocolError::Closed))
+            Err(Error::Share(ShareError::Protocol(ProtocolError::Closed)))
         ));
     }
 
@@ -373,11 +378,13 @@ mod tests {
         drop(a);
         assert!(matches!(
             receive_message(&b),
-            Err(Error::Protocol(ProtocolError::Truncated { .. }))
+            Err(Error::Share(ShareError::Protocol(
+                ProtocolError::Truncated { .. }
+            )))
         ));
         assert!(matches!(
             receive_message(&b),
-            Err(Error::Protocol(ProtocolError::Closed))
+            Err(Error::Share(ShareError::Protocol(ProtocolError::Closed)))
         ));
     }
 
@@ -387,7 +394,9 @@ mod tests {
         std::io::Write::write_all(&mut &a, &u32::MAX.to_le_bytes()).unwrap();
         assert!(matches!(
             receive_message(&b),
-            Err(Error::Protocol(ProtocolError::TooLarge(_)))
+            Err(Error::Share(ShareError::Protocol(ProtocolError::TooLarge(
+                _
+            ))))
         ));
     }
 }

@@ -125,6 +125,15 @@ pub(crate) fn clip(s: &str) -> &str {
     &s[..end]
 }
 
+/// A frame: the body's length (`u32`, little-endian), then the body. Both protocols frame their
+/// messages so ([`Message::frame`], [`super::publish::PublishMessage::frame`]).
+pub(crate) fn frame(body: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(4 + body.len());
+    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    out.extend_from_slice(body);
+    out
+}
+
 pub(crate) fn put_string(out: &mut Vec<u8>, s: &str) {
     let bytes = clip(s).as_bytes();
     out.extend_from_slice(&(bytes.len() as u16).to_le_bytes());
@@ -184,11 +193,8 @@ impl Message {
         }
     }
 
-    /// Length prefix + body.
+    /// Length prefix (`u32`, little-endian) + body.
     pub fn frame(&self) -> Vec<u8> {
-        let body = self.encode();
-        let mut out = (body.len() as u32).to_le_bytes().to_vec();
-        out.extend_from_slice(&body);
-        out
+        frame(&self.encode())
     }
 }

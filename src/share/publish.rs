@@ -33,10 +33,10 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaContext;
 
-use super::protocol::{put_string, Reader, MAX_STRING};
+use super::protocol::{frame, put_string, Reader, MAX_STRING};
 use super::{device_uuid, receive_frame};
 use crate::driver::share::send_with_fd;
-use crate::error::{Error, ProtocolError, Result};
+use crate::error::{Error, ProtocolError, Result, ShareError};
 use crate::region::Snapshot;
 
 const MAGIC: &[u8; 4] = b"SBWS";
@@ -77,15 +77,17 @@ impl SetOffer {
     /// the first difference, in the order device, tag, layout fingerprint, bytes.
     pub fn check(&self, expect: &Expectation, uuid: [u8; 16]) -> Result<()> {
         if self.device_uuid != uuid {
-            return Err(Error::DeviceMismatch {
+            return Err(Error::Share(ShareError::DeviceMismatch {
                 expected: uuid,
                 found: self.device_uuid,
-            });
+            }));
         }
-        let differs = |what, expected: String, found: String| Error::OfferMismatch {
-            what,
-            expected,
-            found,
+        let differs = |what, expected: String, found: String| {
+            Error::Share(ShareError::OfferMismatch {
+                what,
+                expected,
+                found,
+            })
         };
         if let Some(tag) = expect.tag.as_ref().filter(|t| **t != self.tag) {
             return Err(differs("tag", tag.clone(), self.tag.clone()));
@@ -217,12 +219,9 @@ impl PublishMessage {
         }
     }
 
-    /// Length prefix + body.
+    /// Length prefix (`u32`, little-endian) + body, as [`Message::frame`](super::Message::frame).
     pub fn frame(&self) -> Vec<u8> {
-        let body = self.encode();
-        let mut out = (body.len() as u32).to_le_bytes().to_vec();
-        out.extend_from_slice(&body);
-        out
+        frame(&self.encode())
     }
 }
 
@@ -294,11 +293,11 @@ pub fn offer_weight_set(
 }
 
 /// Waits for the trainer's answer to the offer of `set`: `Ok` on its Ack,
-/// [`Error::Rejected`] with its reason on a Reject.
+/// [`ShareError::Rejected`](crate::error::ShareError::Rejected) with its reason on a Reject.
 pub fn wait_set_ack(socket: &UnixStream, set: u64) -> Result<()> {
     match receive_plain(socket)? {
         PublishMessage::Ack { set: acked } if acked == set => Ok(()),
-        PublishMessage::Reject { reason } => Err(Error::Rejected { reason }),
+        PublishMessage::Reject { reason } => Err(Error::Share(ShareError::Rejected { reason })),
         _ => Err(ProtocolError::Unexpected {
             expected: "an ack of the offered weight set",
         }
@@ -332,7 +331,9 @@ pub fn receive_weight_set_for(
     let (message, mut fds) = receive(socket)?;
     let offer = match message {
         PublishMessage::Offer(offer) => offer,
-        PublishMessage::Reject { reason } => return Err(Error::Rejected { reason }),
+        PublishMessage::Reject { reason } => {
+            return Err(Error::Share(ShareError::Rejected { reason }))
+        }
         _ => {
             return Err(ProtocolError::Unexpected {
                 expected: "a weight set offer",
@@ -391,7 +392,9 @@ pub fn receive_manifest(socket: &UnixStream) -> Result<String> {
                     return Ok(text);
                 }
             }
-            PublishMessage::Reject { reason } => return Err(Error::Rejected { reason }),
+            PublishMessage::Reject { reason } => {
+                return Err(Error::Share(ShareError::Rejected { reason }))
+            }
             _ => {
                 return Err(ProtocolError::Unexpected {
                     expected: "a manifest",
@@ -469,6 +472,19 @@ mod tests {
         }
     }
 
+    #[test]
+    fn both_protocols_frame_as_length_then_body() {
+        let ack = PublishMessage::Ack { set: 1 };
+        let body = ack.encode();
+        let mut expected = (body.len() as u32).to_le_bytes().to_vec();
+        expected.extend_from_slice(&body);
+        assert_eq!(ack.frame(), expected);
+        let message = crate::share::Message::Ack { dataset: 4 };
+        let body = message.encode();
+        assert_eq!(message.frame()[..4], (body.len() as u32).to_le_bytes());
+        assert_eq!(message.frame()[4..], body[..]);
+    }
+
     proptest::proptest! {
         /// Any bytes after a valid header decode to a message or a typed error, never a panic;
         /// whatever decodes re-encodes to the same bytes.
@@ -516,10 +532,10 @@ mod tests {
         offer().check(&Expectation::default(), [3; 16]).unwrap();
         assert!(matches!(
             offer().check(&good, [4; 16]),
-            Err(Error::DeviceMismatch { .. })
+            Err(Error::Share(ShareError::DeviceMismatch { .. }))
         ));
         let what = |expect: Expectation| match offer().check(&expect, [3; 16]) {
-            Err(Error::OfferMismatch { what, .. }) => what,
+            Err(Error::Share(ShareError::OfferMismatch { what, .. })) => what,
             other => panic!("{other:?}"),
         };
         let wrong_tag = Expectation {
@@ -571,7 +587,7 @@ mod tests {
         assert!(message_waiting(&b).unwrap());
         assert!(matches!(
             receive_plain(&b),
-            Err(Error::Protocol(ProtocolError::Closed))
+            Err(Error::Share(ShareError::Protocol(ProtocolError::Closed)))
         ));
     }
 }

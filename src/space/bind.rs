@@ -12,58 +12,21 @@ use std::time::Instant;
 
 use cudarc::driver::CudaStream;
 
+use super::backing::{Backing, Binding};
 use super::{SpaceShared, SpaceState};
 use crate::dataset::{Binder, Dataset};
 use crate::driver;
 use crate::driver::vmm::{Mapping, Physical};
-use crate::error::{Error, Result};
-
-/// A dataset mapped under a group.
-#[derive(Debug)]
-pub(super) struct Binding {
-    dataset_id: u64,
-    mapping: Mapping,
-}
-
-/// What is under one group's addresses.
-#[derive(Debug)]
-pub(super) enum Backing {
-    /// The bound dataset's own memory, mapped there.
-    Remap(Option<Binding>),
-    /// Memory the space owns, holding a copy of the inputs of dataset `current`.
-    CopyIn {
-        resident: Mapping,
-        current: Option<u64>,
-    },
-}
-
-impl Backing {
-    /// The id of the dataset whose data is under the group, if any.
-    pub(super) fn dataset(&self) -> Option<u64> {
-        match self {
-            Backing::Remap(binding) => binding.as_ref().map(|b| b.dataset_id),
-            Backing::CopyIn { current, .. } => *current,
-        }
-    }
-
-    /// Never unmap: the GPU may still use the memory (see [`Mapping::leak_on_drop`]).
-    pub(super) fn leak_on_drop(&mut self) {
-        match self {
-            Backing::Remap(Some(binding)) => binding.mapping.leak_on_drop(),
-            Backing::Remap(None) => {}
-            Backing::CopyIn { resident, .. } => resident.leak_on_drop(),
-        }
-    }
-}
+use crate::error::{DriverError, Error, GraphError, LayoutError, Result};
 
 impl SpaceShared {
     /// The index of `dataset`'s group here, or why it cannot bind into this space.
     pub(super) fn check_compatible(&self, dataset: &Dataset) -> Result<usize> {
         if dataset.context().ordinal() != self.ctx.ordinal() {
-            return Err(Error::ContextMismatch {
+            return Err(Error::Driver(DriverError::ContextMismatch {
                 expected: self.ctx.ordinal(),
                 found: dataset.context().ordinal(),
-            });
+            }));
         }
         let index = dataset.group_index();
         let matches = dataset.layout_fingerprint() == self.layout.fingerprint()
@@ -73,11 +36,11 @@ impl SpaceShared {
                 .get(index)
                 .is_some_and(|g| g.bytes == dataset.bytes() && g.name == dataset.group());
         if !matches {
-            return Err(Error::LayoutMismatch {
+            return Err(Error::Layout(LayoutError::LayoutMismatch {
                 group: dataset.group().into(),
                 dataset_layout: dataset.layout_fingerprint(),
                 space_layout: self.layout.fingerprint(),
-            });
+            }));
         }
         Ok(index)
     }
@@ -195,9 +158,9 @@ impl SpaceShared {
         let home_ptr = dataset.home_ptr()?;
         if let Backing::CopyIn { resident, current } = &state.backings[index] {
             if *current != Some(dataset.id()) {
-                return Err(Error::Unbound {
+                return Err(Error::Graph(GraphError::Unbound {
                     group: dataset.group().into(),
-                });
+                }));
             }
             state.fence.attach(stream);
             for (offset, bytes) in dataset.output_runs() {

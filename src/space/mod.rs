@@ -11,6 +11,7 @@
 //! offloading (`crate::sleep`); graphs see a space only through [`SpaceShared::attach`] and
 //! [`SpaceShared::lock_replayable`].
 
+mod backing;
 mod bind;
 pub(crate) mod listeners;
 mod slot;
@@ -24,14 +25,14 @@ use cudarc::driver::{sys, CudaContext, CudaStream, DeviceRepr};
 use crate::dataset::{Binder, Dataset};
 use crate::driver::device;
 use crate::driver::vmm::{self, Location, Mapping, Physical, Reservation};
-use crate::error::{Error, Result};
+use crate::error::{DriverError, Error, GraphError, LayoutError, Result};
 use crate::fence::{Fence, FencePolicy};
 use crate::ids::next_id;
 use crate::layout::{Layout, Placement, Region};
 use crate::strategy::{BindStrategy, CostModel};
 use crate::view::{self, SlotView};
 
-use bind::Backing;
+use backing::Backing;
 pub use slot::Slot;
 
 /// Options for [`Space::with_options`].
@@ -44,7 +45,7 @@ pub struct SpaceOptions {
     /// Per-group strategies.
     pub group_bind: HashMap<String, BindStrategy>,
     /// Create datasets exportable to other processes as POSIX file descriptors
-    /// ([`send_dataset`](crate::send_dataset)).
+    /// ([`send_dataset`](crate::share::send_dataset)).
     pub shareable: bool,
     /// The model `BindStrategy::Auto` decides with; `None` calibrates on the device (once per
     /// process and device).
@@ -87,7 +88,7 @@ impl SpaceOptions {
 
     /// Lets kernels on the devices `peers` read and write the space at the same addresses.
     /// [`Space::with_options`] checks `cuDeviceCanAccessPeer` for each and returns
-    /// [`Error::PeerAccess`] when a pair cannot.
+    /// [`DriverError::PeerAccess`](crate::error::DriverError::PeerAccess) when a pair cannot.
     pub fn peers(mut self, peers: impl IntoIterator<Item = usize>) -> Self {
         self.peers = peers.into_iter().collect();
         self
@@ -304,17 +305,17 @@ impl Space {
     /// [`Space::new_dataset`] with the memory at `at`: a peer GPU (over NVLink or PCIe) or pinned
     /// host memory. Bound, the slots read and write it in place, with no copy; replays pay the
     /// slower link. Every device the space grants access to must be able to reach `at`
-    /// ([`Error::PeerAccess`] otherwise).
+    /// ([`DriverError::PeerAccess`](crate::error::DriverError::PeerAccess) otherwise).
     pub fn new_dataset_at(&self, group: &str, at: Location) -> Result<Dataset> {
         let index = self.shared.placement.group_index(group)?;
         if let Location::Device(owner) = at {
             require_device(owner)?;
             for &device in &self.shared.access {
                 if !device::can_access_peer(device, owner)? {
-                    return Err(Error::PeerAccess {
+                    return Err(Error::Driver(DriverError::PeerAccess {
                         from: device,
                         to: owner,
-                    });
+                    }));
                 }
             }
         }
@@ -343,7 +344,8 @@ impl Space {
     /// one is mapped back and the error is returned.
     /// With [`BindStrategy::CopyIn`]: the dataset's input slots are copied into the space's own
     /// memory, after the fence. A copy that fails leaves the group unbound (its memory may hold
-    /// part of the new data), so replays report [`Error::Unbound`] rather than mixing datasets.
+    /// part of the new data), so replays report
+    /// [`GraphError::Unbound`](crate::error::GraphError::Unbound) rather than mixing datasets.
     /// Binding the dataset already bound is a no-op.
     pub fn bind(&self, dataset: &Dataset) -> Result<()> {
         self.shared.bind(dataset, None)?;
@@ -380,7 +382,7 @@ impl Space {
     }
 
     /// Unmaps group `group` (after waiting on the fence). Replays then fail with
-    /// [`Error::Unbound`] until a dataset is bound again.
+    /// [`GraphError::Unbound`](crate::error::GraphError::Unbound) until a dataset is bound again.
     pub fn unbind(&self, group: &str) -> Result<()> {
         let index = self.shared.placement.group_index(group)?;
         self.shared.unbind_group(index, None).map(drop)
@@ -433,15 +435,6 @@ impl Space {
     pub fn is_asleep(&self) -> bool {
         self.shared.lock().sleeping.is_some()
     }
-
-    /// Captures `work` on `stream` as a graph over this space. See
-    /// [`StableGraph::capture`](crate::StableGraph::capture).
-    pub fn capture<F>(&self, stream: &Arc<CudaStream>, work: F) -> Result<crate::StableGraph>
-    where
-        F: FnMut(&Arc<CudaStream>) -> Result<()> + Send + 'static,
-    {
-        crate::StableGraph::capture(stream, &[self], work)
-    }
 }
 
 /// The narrow interface the graph and sleep modules use.
@@ -476,13 +469,13 @@ impl SpaceShared {
         // A sleeping space refuses replays as asleep, also one without scratch (its groups
         // were unbound by the sleep, not by the caller).
         if state.sleeping.is_some() {
-            return Err(Error::Asleep);
+            return Err(Error::Graph(GraphError::Asleep));
         }
         self.require_scratch(&state)?;
         if let Some(index) = state.bound.first_zero() {
-            return Err(Error::Unbound {
+            return Err(Error::Graph(GraphError::Unbound {
                 group: self.placement.groups[index].name.clone(),
-            });
+            }));
         }
         state.fence.attach(stream);
         Ok(ReplayLock { _state: state })
@@ -526,7 +519,7 @@ impl SpaceShared {
         self.slots
             .iter()
             .find(|s| s.name() == name)
-            .ok_or_else(|| Error::UnknownSlot { slot: name.into() })
+            .ok_or_else(|| Error::Layout(LayoutError::UnknownSlot { slot: name.into() }))
     }
 
     fn require_bound(&self, state: &SpaceState, slot: &Slot) -> Result<()> {
@@ -536,9 +529,9 @@ impl SpaceShared {
                 if state.bound[index] {
                     Ok(())
                 } else {
-                    Err(Error::Unbound {
+                    Err(Error::Graph(GraphError::Unbound {
                         group: group.to_string(),
-                    })
+                    }))
                 }
             }
             None => self.require_scratch(state),
@@ -547,7 +540,7 @@ impl SpaceShared {
 
     fn require_scratch(&self, state: &SpaceState) -> Result<()> {
         if self.placement.scratch.is_some() && state.scratch.is_none() {
-            return Err(Error::Asleep);
+            return Err(Error::Graph(GraphError::Asleep));
         }
         Ok(())
     }
@@ -583,7 +576,7 @@ fn access_list(own: usize, peers: &[usize]) -> Result<Vec<usize>> {
         require_device(peer)?;
         for (from, to) in [(peer, own), (own, peer)] {
             if !device::can_access_peer(from, to)? {
-                return Err(Error::PeerAccess { from, to });
+                return Err(Error::Driver(DriverError::PeerAccess { from, to }));
             }
         }
         access.push(peer);
@@ -595,7 +588,7 @@ fn access_list(own: usize, peers: &[usize]) -> Result<Vec<usize>> {
 fn require_device(ordinal: usize) -> Result<()> {
     let count = device::device_count()?;
     if ordinal >= count {
-        return Err(Error::NoSuchDevice { ordinal, count });
+        return Err(Error::Driver(DriverError::NoSuchDevice { ordinal, count }));
     }
     Ok(())
 }

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use stablebuf::cudarc::driver::CudaContext;
-use stablebuf::memory_info;
+use stablebuf::device::memory_info;
 
 pub const MIB: usize = 1 << 20;
 

@@ -10,7 +10,8 @@ pub mod deadline;
 pub mod leaks;
 pub mod patterns;
 use stablebuf::cudarc::driver::{CudaContext, CudaStream};
-use stablebuf::{open_device, Kernels};
+use stablebuf::kernels::Kernels;
+use stablebuf::open_device;
 
 pub struct Gpu {
     pub ctx: Arc<CudaContext>,
@@ -94,7 +95,7 @@ pub fn capture_matmul(
     space: &stablebuf::Space,
     stream: &Arc<CudaStream>,
     kernels: &Arc<Kernels>,
-    kind: stablebuf::MatmulKernel,
+    kind: stablebuf::kernels::MatmulKernel,
     (m, n, k): (usize, usize, usize),
 ) -> stablebuf::StableGraph {
     let slot = |name: &str| space.slot(name).unwrap().clone();

@@ -13,9 +13,10 @@ use std::sync::Arc;
 
 use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, Device, Storage, Tensor};
-use stablebuf::cudarc::driver::{sys, CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
 use stablebuf::buffer::copy_between;
-use stablebuf::{DeviceBuffer, ElasticPool, Kernels, Layout, PoolOptions, Space};
+use stablebuf::cudarc::driver::{sys, CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
+use stablebuf::kernels::Kernels;
+use stablebuf::{DeviceBuffer, ElasticPool, Layout, PoolOptions, Space};
 
 type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 

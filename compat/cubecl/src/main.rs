@@ -8,9 +8,10 @@ use cubecl_common::bytes::Bytes;
 use cubecl_common::future::block_on;
 use cubecl_core::Runtime;
 use cubecl_cuda::{CudaDevice, CudaRuntime};
-use stablebuf::cudarc::driver::sys;
 use stablebuf::buffer::copy_between;
-use stablebuf::{open_device, DeviceBuffer, Kernels, Layout, Space};
+use stablebuf::cudarc::driver::sys;
+use stablebuf::kernels::Kernels;
+use stablebuf::{open_device, DeviceBuffer, Layout, Space};
 
 type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 

@@ -10,7 +10,7 @@ use std::ffi::{c_char, c_int, c_void, CStr};
 use std::sync::OnceLock;
 
 use super::locate::{self, Candidate, SearchEnv};
-use crate::error::{Error, Result};
+use crate::error::{DriverError, Error, Result};
 
 /// `ncclUniqueId`: 128 opaque bytes, passed by value.
 #[repr(C)]
@@ -139,13 +139,15 @@ fn search() -> std::result::Result<Nccl, Vec<String>> {
     Err(tried)
 }
 
-/// libnccl, loaded on first use; [`Error::LibraryMissing`] lists every place tried.
+/// libnccl, loaded on first use;
+/// [`DriverError::LibraryMissing`](crate::error::DriverError::LibraryMissing) lists every place
+/// tried.
 pub(crate) fn nccl() -> Result<&'static Nccl> {
     match LOADED.get_or_init(search) {
         Ok(nccl) => Ok(nccl),
-        Err(tried) => Err(Error::LibraryMissing {
+        Err(tried) => Err(Error::Driver(DriverError::LibraryMissing {
             library: "libnccl",
             searched: tried.join("; "),
-        }),
+        })),
     }
 }

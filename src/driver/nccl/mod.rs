@@ -14,9 +14,10 @@ use cudarc::driver::{sys, CudaContext, CudaStream};
 
 use self::library::{nccl, Nccl, NcclResult, UniqueId, NCCL_FLOAT32, NCCL_SUM};
 use super::bind_context;
-use crate::error::{Error, Result};
+use crate::error::{DriverError, Error, LayoutError, Result};
 
-/// Runs one NCCL call inside a tracing span and maps a failure to [`Error::Nccl`].
+/// Runs one NCCL call inside a tracing span and maps a failure to
+/// [`DriverError::Nccl`](crate::error::DriverError::Nccl).
 fn nccl_call(call: &'static str, f: impl FnOnce(&Nccl) -> NcclResult) -> Result<()> {
     let lib = nccl()?;
     let span = tracing::debug_span!("nccl", call);
@@ -25,13 +26,14 @@ fn nccl_call(call: &'static str, f: impl FnOnce(&Nccl) -> NcclResult) -> Result<
         0 => Ok(()),
         code => {
             tracing::debug!(call, code, text = %lib.error_string(code), "failed");
-            Err(Error::Nccl { call, code })
+            Err(Error::Driver(DriverError::Nccl { call, code }))
         }
     }
 }
 
 /// Where libnccl was loaded from and its version (`ncclGetVersion`, e.g. 22705), loading it if
-/// needed; [`Error::LibraryMissing`] lists the places tried.
+/// needed; [`DriverError::LibraryMissing`](crate::error::DriverError::LibraryMissing) lists the
+/// places tried.
 pub(crate) fn library() -> Result<(String, i32)> {
     nccl().map(|lib| (lib.origin.clone(), lib.version))
 }
@@ -72,9 +74,9 @@ impl Communicator {
         id: [u8; 128],
     ) -> Result<Self> {
         if world == 0 || rank >= world {
-            return Err(Error::InvalidShape(format!(
+            return Err(Error::Layout(LayoutError::InvalidShape(format!(
                 "rank {rank} of a world of {world}"
-            )));
+            ))));
         }
         bind_context(ctx)?;
         let id = UniqueId {

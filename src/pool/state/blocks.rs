@@ -1,10 +1,10 @@
 //! Blocks: carving addresses, growing and shrinking in place, freeing.
 
 use super::{BlockInfo, BlockState, State};
-use crate::error::{Error, Result};
+use crate::error::{Error, LayoutError, PoolError, Result};
 use crate::pool::backend::{Backend, ReservedRange, Waiter};
-use crate::pool::book::TenantId;
 use crate::pool::events::{BlockId, EventKind};
+use crate::pool::ledger::TenantId;
 
 impl<B: Backend> State<B> {
     /// Carves `capacity` bytes of the tenant's addresses into a block and maps `len` of them.
@@ -28,9 +28,9 @@ impl<B: Backend> State<B> {
         let capacity = match rounded {
             Some(c) if c > 0 => c,
             _ => {
-                return Err(Error::InvalidShape(format!(
+                return Err(Error::Layout(LayoutError::InvalidShape(format!(
                     "a block of {len} bytes with capacity {capacity}"
-                )))
+                ))))
             }
         };
         let spare = if fixed {
@@ -42,12 +42,12 @@ impl<B: Backend> State<B> {
             .into_iter()
             .find_map(|bytes| Some((state.granules.allocate(bytes / granularity)?, bytes)));
         let Some((first_granule, carved)) = carved else {
-            let error = Error::VirtualCapacity {
+            let error = Error::Pool(PoolError::VirtualCapacity {
                 tenant: state.name.to_string(),
                 asked: capacity,
                 capacity: state.reservation.bytes(),
                 largest_free_run: state.granules.largest_free_run() * granularity,
-            };
+            });
             return Err(self.refuse(tenant, error));
         };
         let address = state.reservation.base() + (first_granule * granularity) as u64;
@@ -113,18 +113,18 @@ impl<B: Backend> State<B> {
         self.map_held(tenant, block)?;
         let info = self.info(tenant, block)?;
         if new_len < info.len {
-            return Err(Error::InvalidShape(format!(
+            return Err(Error::Layout(LayoutError::InvalidShape(format!(
                 "grow to {new_len} bytes, below the current {}",
                 info.len
-            )));
+            ))));
         }
         if new_len > info.capacity {
             return Err(self.refuse(
                 tenant,
-                Error::BeyondCapacity {
+                Error::Pool(PoolError::BeyondCapacity {
                     asked: new_len,
                     capacity: info.capacity,
-                },
+                }),
             ));
         }
         let needed = self.book.round(new_len).expect("below capacity");
@@ -147,10 +147,10 @@ impl<B: Backend> State<B> {
     ) -> Result<()> {
         let info = self.info(tenant, block)?;
         if new_len > info.len {
-            return Err(Error::InvalidShape(format!(
+            return Err(Error::Layout(LayoutError::InvalidShape(format!(
                 "shrink to {new_len} bytes, above the current {}",
                 info.len
-            )));
+            ))));
         }
         let keep = self.book.round(new_len).expect("below len");
         let state = self.tenant(tenant)?;

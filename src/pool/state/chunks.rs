@@ -4,10 +4,10 @@
 use std::sync::Arc;
 
 use super::{over_budget, State};
-use crate::error::{Error, Result};
+use crate::error::{Error, PoolError, Result};
 use crate::pool::backend::Backend;
-use crate::pool::book::{mapping_cap, ChunkId, Plan, TenantId};
 use crate::pool::events::{DrainReason, EventKind};
+use crate::pool::ledger::{mapping_cap, ChunkId, Plan, TenantId};
 
 impl<B: Backend> State<B> {
     /// Finds `bytes` (granule multiple) of physical memory for `tenant`: cached chunks first,
@@ -74,12 +74,12 @@ impl<B: Backend> State<B> {
                 Err((error, drained)) => {
                     self.give_back_all(&chunks);
                     let error = if error.is_out_of_memory() {
-                        Error::PoolOutOfMemory {
+                        Error::Pool(PoolError::PoolOutOfMemory {
                             asked: bytes,
                             cached: cached_before,
                             held: held_before,
                             drained,
-                        }
+                        })
                     } else {
                         error
                     };
@@ -135,12 +135,12 @@ impl<B: Backend> State<B> {
         if !self.book.fits_budget(bytes) {
             // Cannot happen after a plan (it makes room first); a guard, not a path.
             let (limit, held) = (self.book.budget().unwrap_or(0), self.book.held());
-            return Err(Error::OverBudget {
+            return Err(Error::Pool(PoolError::OverBudget {
                 scope: "pool budget".into(),
                 asked: bytes,
                 limit,
                 held,
-            });
+            }));
         }
         let memory = self.backend.create(bytes)?;
         let id = self
@@ -243,8 +243,8 @@ impl<B: Backend> State<B> {
 #[cfg(test)]
 mod tests {
     use crate::fence::FencePolicy;
-    use crate::pool::book::TenantId;
     use crate::pool::fake::{Call, Fake};
+    use crate::pool::ledger::TenantId;
     use crate::pool::state::{State, Switches};
 
     const G: usize = 2 << 20;

@@ -1,6 +1,6 @@
 //! The pool's state behind its lock, and every operation that changes it.
 //!
-//! Each operation plans with the pure bookkeeping first ([`ChunkBook`], [`GranuleMap`]), then
+//! Each operation plans with the pure bookkeeping first ([`ChunkLedger`], [`GranuleMap`]), then
 //! makes the driver calls, and commits to the books only what succeeded; on an error it undoes
 //! its own driver work, so the pool is as it was (apart from cache it released to make room).
 
@@ -9,15 +9,15 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::backend::{Backend, MappedRange};
-use super::book::{BudgetScope, ChunkBook, ChunkId, OverBudget, TenantId};
 use super::events::{BlockId, Event, EventKind, EventLog};
 use super::granules::GranuleMap;
-use crate::error::{Error, Result};
+use super::ledger::{BudgetScope, ChunkId, ChunkLedger, OverBudget, TenantId};
+use crate::error::{Error, PoolError, Result};
 use crate::fence::FencePolicy;
 
 mod blocks;
 mod chunks;
-mod held;
+mod deferred_map;
 mod segments;
 mod statistics;
 mod tenants;
@@ -34,7 +34,7 @@ pub(crate) struct State<B: Backend> {
     started: Instant,
     fence_policy: FencePolicy,
     switches: Switches,
-    book: ChunkBook,
+    book: ChunkLedger,
     memory: HashMap<ChunkId, Arc<B::Memory>>,
     tenants: BTreeMap<TenantId, TenantState<B>>,
     next_tenant: u32,
@@ -94,7 +94,7 @@ impl<B: Backend> BlockState<B> {
     }
 }
 
-/// A block's figures now ([`Block::info`](crate::Block::info)).
+/// A block's figures now ([`Block::info`](crate::pool::Block::info)).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct BlockInfo {
@@ -110,7 +110,7 @@ pub struct BlockInfo {
     /// Mappings (chunks) behind it: 1 for a fresh block; more when stitched or grown.
     pub mappings: usize,
     /// Bytes of physical memory held for the block but not mapped yet
-    /// ([`Tenant::alloc_held`](crate::Tenant::alloc_held)); 0 once mapped.
+    /// ([`Tenant::alloc_held`](crate::pool::Tenant::alloc_held)); 0 once mapped.
     pub held: usize,
 }
 
@@ -119,12 +119,12 @@ fn over_budget(refused: OverBudget, name: &str) -> Error {
         BudgetScope::Pool => "pool budget".to_string(),
         BudgetScope::Tenant(_) => format!("tenant `{name}`'s limit"),
     };
-    Error::OverBudget {
+    Error::Pool(PoolError::OverBudget {
         scope,
         asked: refused.asked,
         limit: refused.limit,
         held: refused.held,
-    }
+    })
 }
 
 impl<B: Backend> State<B> {
@@ -141,7 +141,7 @@ impl<B: Backend> State<B> {
             started: Instant::now(),
             fence_policy,
             switches,
-            book: ChunkBook::new(granularity, budget),
+            book: ChunkLedger::new(granularity, budget),
             memory: HashMap::new(),
             tenants: BTreeMap::new(),
             next_tenant: 1,
@@ -185,28 +185,32 @@ impl<B: Backend> State<B> {
     }
 
     #[cfg(test)]
-    pub(crate) fn book(&self) -> &ChunkBook {
+    pub(crate) fn book(&self) -> &ChunkLedger {
         &self.book
     }
 
     pub(super) fn tenant(&self, tenant: TenantId) -> Result<&TenantState<B>> {
-        self.tenants.get(&tenant).ok_or_else(|| Error::TenantGone {
-            tenant: format!("#{}", tenant.0),
+        self.tenants.get(&tenant).ok_or_else(|| {
+            Error::Pool(PoolError::TenantGone {
+                tenant: format!("#{}", tenant.0),
+            })
         })
     }
 
     pub(super) fn tenant_mut(&mut self, tenant: TenantId) -> Result<&mut TenantState<B>> {
-        self.tenants
-            .get_mut(&tenant)
-            .ok_or_else(|| Error::TenantGone {
+        self.tenants.get_mut(&tenant).ok_or_else(|| {
+            Error::Pool(PoolError::TenantGone {
                 tenant: format!("#{}", tenant.0),
             })
+        })
     }
 
     pub(super) fn block(&self, tenant: TenantId, block: BlockId) -> Result<&BlockState<B>> {
         let state = self.tenant(tenant)?;
-        state.blocks.get(&block).ok_or_else(|| Error::TenantGone {
-            tenant: state.name.to_string(),
+        state.blocks.get(&block).ok_or_else(|| {
+            Error::Pool(PoolError::TenantGone {
+                tenant: state.name.to_string(),
+            })
         })
     }
 }

@@ -5,10 +5,10 @@ use super::{Segment, State};
 
 /// The segments a graft maps: the donor's in front, the rest behind.
 pub(super) type GraftRuns<B> = (Vec<Segment<B>>, Vec<Segment<B>>);
-use crate::error::{Error, Result};
+use crate::error::{Error, LayoutError, Result};
 use crate::pool::backend::{Backend, MappedRange, Waiter};
-use crate::pool::book::{ChunkId, TenantId};
 use crate::pool::events::{BlockId, EventKind};
+use crate::pool::ledger::{ChunkId, TenantId};
 
 impl<B: Backend> State<B> {
     /// Maps `chunks` side by side into `block` from `offset` bytes on, with one set-access for
@@ -154,9 +154,9 @@ impl<B: Backend> State<B> {
         donor: BlockId,
     ) -> Result<()> {
         if target == donor {
-            return Err(Error::InvalidShape(
+            return Err(Error::Layout(LayoutError::InvalidShape(
                 "a block cannot be grafted onto itself".into(),
-            ));
+            )));
         }
         if self.holds_unmapped(tenant, target) {
             return self.graft_onto_held(tenant, target, donor);
@@ -164,10 +164,10 @@ impl<B: Backend> State<B> {
         let target_info = self.info(tenant, target)?;
         let donor_info = self.info(tenant, donor)?;
         if donor_info.len > target_info.len || donor_info.mapped > target_info.capacity {
-            return Err(Error::InvalidShape(format!(
+            return Err(Error::Layout(LayoutError::InvalidShape(format!(
                 "graft of a {}-byte block ({} mapped) onto a {}-byte block ({} reserved)",
                 donor_info.len, donor_info.mapped, target_info.len, target_info.capacity
-            )));
+            ))));
         }
         let moved = donor_info.mapped;
         let target_segments = &self.block(tenant, target)?.segments;

@@ -3,7 +3,7 @@
 use super::State;
 use crate::error::Result;
 use crate::pool::backend::{Backend, ReservedRange};
-use crate::pool::book::TenantId;
+use crate::pool::ledger::TenantId;
 use crate::pool::stats::{PoolStats, TenantStats};
 
 impl<B: Backend> State<B> {

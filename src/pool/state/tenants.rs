@@ -6,11 +6,11 @@ use std::sync::Arc;
 use cudarc::driver::CudaStream;
 
 use super::{State, TenantState};
-use crate::error::{Error, Result};
+use crate::error::{Error, LayoutError, Result};
 use crate::pool::backend::{Backend, ReservedRange, Waiter};
-use crate::pool::book::TenantId;
 use crate::pool::events::EventKind;
 use crate::pool::granules::GranuleMap;
+use crate::pool::ledger::TenantId;
 
 impl<B: Backend> State<B> {
     pub(crate) fn register(
@@ -22,13 +22,13 @@ impl<B: Backend> State<B> {
         let capacity = match self.book.round(virtual_capacity) {
             Some(c) if c > 0 => c,
             _ => {
-                return Err(Error::InvalidShape(format!(
+                return Err(Error::Layout(LayoutError::InvalidShape(format!(
                     "tenant `{name}`: virtual capacity {virtual_capacity} bytes"
-                )))
+                ))))
             }
         };
         if name.is_empty() {
-            return Err(Error::EmptyName);
+            return Err(Error::Layout(LayoutError::EmptyName));
         }
         let reservation = self.backend.reserve(capacity, self.book.granularity())?;
         let id = TenantId(self.next_tenant);

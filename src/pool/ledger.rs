@@ -94,7 +94,7 @@ struct Account {
 
 /// The chunk table and the byte counts derived from it.
 #[derive(Clone, Debug)]
-pub struct ChunkBook {
+pub struct ChunkLedger {
     granularity: usize,
     budget: Option<usize>,
     slots: Vec<Option<Chunk>>,
@@ -106,7 +106,7 @@ pub struct ChunkBook {
     accounts: BTreeMap<TenantId, Account>,
 }
 
-impl ChunkBook {
+impl ChunkLedger {
     pub fn new(granularity: usize, budget: Option<usize>) -> Self {
         Self {
             granularity: granularity.max(1),
@@ -488,15 +488,15 @@ mod tests {
     const A: TenantId = TenantId(1);
     const B: TenantId = TenantId(2);
 
-    fn book(budget: Option<usize>) -> ChunkBook {
-        let mut book = ChunkBook::new(G, budget);
+    fn book(budget: Option<usize>) -> ChunkLedger {
+        let mut book = ChunkLedger::new(G, budget);
         assert!(book.open_account(A, None));
         assert!(book.open_account(B, None));
         book
     }
 
     /// Caches chunks of these sizes (in granules) and returns their ids.
-    fn cache(book: &mut ChunkBook, granules: &[usize]) -> Vec<ChunkId> {
+    fn cache(book: &mut ChunkLedger, granules: &[usize]) -> Vec<ChunkId> {
         granules
             .iter()
             .map(|&g| book.insert(g * G, None).unwrap())
@@ -569,7 +569,7 @@ mod tests {
         let plan = book.plan(A, 30 * G, false, 64 * G, None).unwrap();
         assert_eq!((plan.reuse, plan.create), (vec![ids[2]], 0));
         // Never past the tenant's own limit.
-        let mut limited = ChunkBook::new(G, None);
+        let mut limited = ChunkLedger::new(G, None);
         limited.open_account(A, Some(31 * G));
         let big = limited.insert(32 * G, None).unwrap();
         assert!(limited
@@ -595,7 +595,7 @@ mod tests {
         );
         // 9 granules with 1 to spare: the 8 under the cap of one, then the 2-granule chunk
         // covers the last one (overshoot 1 <= 9/8): one mapping instead of a create and one.
-        let mut two = ChunkBook::new(G, None);
+        let mut two = ChunkLedger::new(G, None);
         two.open_account(A, None);
         let (eight, pair) = (
             two.insert(8 * G, None).unwrap(),
@@ -649,7 +649,7 @@ mod tests {
 
     #[test]
     fn tenant_limit_is_checked_before_anything_else() {
-        let mut book = ChunkBook::new(G, None);
+        let mut book = ChunkLedger::new(G, None);
         assert!(book.open_account(A, Some(4 * G)));
         assert!(!book.open_account(A, None), "already open");
         book.insert(3 * G, Some(A)).unwrap();

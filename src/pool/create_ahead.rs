@@ -14,10 +14,12 @@
 //! it like any other.
 
 use std::sync::mpsc::{self, Receiver, Sender};
-use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, Weak};
+
+use cudarc::driver::CudaContext;
 
 use super::backend::{Backend, Vmm};
-use super::elastic::Shared;
+use super::state::State;
 use crate::driver;
 
 /// The worker creates nothing that would leave less than this share of the device free.
@@ -25,28 +27,28 @@ pub const HEADROOM_PERCENT: usize = 10;
 
 /// The handle requests use to wake the worker; dropping it (with the pool) stops the worker.
 #[derive(Debug)]
-pub(crate) struct Ahead {
+pub(crate) struct CreateAhead {
     requests: Mutex<Sender<usize>>,
     progress: Arc<Progress>,
 }
 
-/// Requests sent and finished, so [`Ahead::settle`] can wait for the worker to catch up.
+/// Requests sent and finished, so [`CreateAhead::settle`] can wait for the worker to catch up.
 #[derive(Debug, Default)]
 struct Progress {
     counts: Mutex<(u64, u64)>,
     changed: Condvar,
 }
 
-impl Ahead {
-    /// Starts the worker for the pool behind `shared` (held weakly: the worker never keeps the
-    /// pool alive).
-    pub(crate) fn start(shared: Weak<Shared>) -> Self {
+impl CreateAhead {
+    /// Starts the worker for the pool whose state is `state`, on `ctx`'s device (both held
+    /// weakly: the worker never keeps the pool alive).
+    pub(crate) fn start(state: Weak<Mutex<State<Vmm>>>, ctx: Weak<CudaContext>) -> Self {
         let (requests, incoming) = mpsc::channel();
         let progress = Arc::new(Progress::default());
         let worker_progress = progress.clone();
         let spawned = std::thread::Builder::new()
             .name("stablebuf-create-ahead".into())
-            .spawn(move || work(shared, incoming, worker_progress));
+            .spawn(move || work(state, ctx, incoming, worker_progress));
         if let Err(error) = spawned {
             tracing::warn!(%error, "no create-ahead worker: every request creates its own memory");
         }
@@ -100,22 +102,33 @@ impl Progress {
     }
 }
 
-fn work(shared: Weak<Shared>, incoming: Receiver<usize>, progress: Arc<Progress>) {
+fn work(
+    state: Weak<Mutex<State<Vmm>>>,
+    ctx: Weak<CudaContext>,
+    incoming: Receiver<usize>,
+    progress: Arc<Progress>,
+) {
     while let Ok(bytes) = incoming.recv() {
-        if let Some(shared) = shared.upgrade() {
-            create_one(&shared, bytes);
+        if let (Some(state), Some(ctx)) = (state.upgrade(), ctx.upgrade()) {
+            create_one(&state, &ctx, bytes);
         }
         progress.finish_one();
     }
 }
 
+/// The pool's state, taken like the pool's handles take it (a panic elsewhere leaves the books
+/// as they were after their last completed step).
+fn lock(state: &Mutex<State<Vmm>>) -> MutexGuard<'_, State<Vmm>> {
+    state.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
 /// Creates `bytes` (rounded to the granularity) and hands it to the pool's cache, if the budget
 /// and the device's free memory allow.
-fn create_one(shared: &Shared, bytes: usize) {
+fn create_one(state: &Mutex<State<Vmm>>, ctx: &Arc<CudaContext>, bytes: usize) {
     let span = tracing::debug_span!("create_ahead", bytes);
     let _entered = span.enter();
     let (granularity, room) = {
-        let state = shared.lock();
+        let state = lock(state);
         (state.granularity(), state.budget_room())
     };
     let bytes = bytes.div_ceil(granularity) * granularity;
@@ -123,7 +136,7 @@ fn create_one(shared: &Shared, bytes: usize) {
         tracing::debug!(bytes, room, "over the pool's budget: nothing created ahead");
         return;
     }
-    match driver::memory_info(shared.context()) {
+    match driver::memory_info(ctx) {
         Ok((free, total)) if free.saturating_sub(bytes) >= total / 100 * HEADROOM_PERCENT => {}
         Ok((free, _)) => {
             tracing::debug!(
@@ -138,14 +151,14 @@ fn create_one(shared: &Shared, bytes: usize) {
             return;
         }
     }
-    let memory = match Vmm::new(shared.context()).create(bytes) {
+    let memory = match Vmm::new(ctx).create(bytes) {
         Ok(memory) => memory,
         Err(error) => {
             tracing::debug!(%error, bytes, "creating ahead failed; the next request creates its own");
             return;
         }
     };
-    if shared.lock().adopt(memory, bytes).is_err() {
+    if lock(state).adopt(memory, bytes).is_err() {
         tracing::debug!(
             bytes,
             "the budget changed meanwhile: the memory created ahead was released"

@@ -16,10 +16,10 @@
 //! ```
 
 use super::State;
-use crate::error::{Error, Result};
+use crate::error::{Error, LayoutError, PoolError, Result};
 use crate::pool::backend::{Backend, MappedRange, Waiter};
-use crate::pool::book::{ChunkId, TenantId};
 use crate::pool::events::BlockId;
+use crate::pool::ledger::{ChunkId, TenantId};
 
 impl<B: Backend> State<B> {
     /// Carves a block for `len` bytes and acquires its memory (cache first), mapping nothing:
@@ -54,9 +54,9 @@ impl<B: Backend> State<B> {
     pub(crate) fn map_held(&mut self, tenant: TenantId, block: BlockId) -> Result<()> {
         let state = self.tenant_mut(tenant)?;
         let Some(block_state) = state.blocks.get_mut(&block) else {
-            return Err(Error::TenantGone {
+            return Err(Error::Pool(PoolError::TenantGone {
                 tenant: state.name.to_string(),
-            });
+            }));
         };
         if block_state.held.is_empty() {
             return Ok(());
@@ -89,11 +89,11 @@ impl<B: Backend> State<B> {
         let target_len = self.block(tenant, target)?.held_len;
         let moved = donor_info.mapped;
         if donor_info.len > target_len || moved > target_info.capacity {
-            return Err(Error::InvalidShape(format!(
+            return Err(Error::Layout(LayoutError::InvalidShape(format!(
                 "graft of a {}-byte block ({moved} mapped) onto a {target_len}-byte block ({} \
                  reserved)",
                 donor_info.len, target_info.capacity
-            )));
+            ))));
         }
         let tail_bytes = self
             .book
@@ -125,7 +125,8 @@ impl<B: Backend> State<B> {
             .map(|s| (s.chunk, s.mapping.ptr(), s.mapping.bytes()))
             .collect();
         drop(donor_segments); // unmaps, after the fence
-                              // On an error the target still holds its memory: nothing of it was removed.
+                              // On an error the target still holds its memory: nothing of it was
+                              // removed.
         let (front, back) =
             self.map_graft(tenant, [target, donor], &donor_chunks, moved, &tail, &[])?;
         for (chunk, at, bytes) in unmapped {

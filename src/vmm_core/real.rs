@@ -1,0 +1,182 @@
+//! [`Vmm`]: the real driver behind [`Backend`], VMM calls on one context.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaStream};
+
+use super::backend::{Backend, MappedRange, PhysicalMemory, ReservedRange, Waiter};
+use crate::driver;
+use crate::driver::vmm::{granularity, Mapping, Physical, Reservation};
+use crate::error::Result;
+use crate::fence::{Fence, FencePolicy};
+use crate::host::{self, HostCopy, HostStorage, Piece, StorageUsed};
+
+/// The real driver on one context; mappings grant access to `access` (device ordinals).
+#[derive(Clone, Debug)]
+pub(crate) struct Vmm {
+    ctx: Arc<CudaContext>,
+    access: Vec<usize>,
+}
+
+impl Vmm {
+    /// Mappings readable and writable by `ctx`'s device.
+    pub(crate) fn new(ctx: &Arc<CudaContext>) -> Self {
+        Self::with_access(ctx, &[ctx.ordinal()])
+    }
+
+    /// Mappings readable and writable by the devices `access` lists.
+    pub(crate) fn with_access(ctx: &Arc<CudaContext>, access: &[usize]) -> Self {
+        Self {
+            ctx: ctx.clone(),
+            access: access.to_vec(),
+        }
+    }
+
+    pub(crate) fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+}
+
+impl ReservedRange for Arc<Reservation> {
+    fn base(&self) -> u64 {
+        Reservation::base(self)
+    }
+
+    fn bytes(&self) -> usize {
+        Reservation::bytes(self)
+    }
+}
+
+impl PhysicalMemory for Physical {
+    fn bytes(&self) -> usize {
+        Physical::bytes(self)
+    }
+}
+
+impl MappedRange for Mapping {
+    fn ptr(&self) -> u64 {
+        Mapping::ptr(self)
+    }
+
+    fn bytes(&self) -> usize {
+        Mapping::bytes(self)
+    }
+
+    fn leak_on_drop(&mut self) {
+        Mapping::leak_on_drop(self)
+    }
+}
+
+impl Waiter for Fence {
+    fn wait(&self) -> Result<()> {
+        Fence::wait(self)
+    }
+
+    fn check_not_capturing(&self) -> Result<()> {
+        Fence::check_not_capturing(self)
+    }
+
+    fn attach(&mut self, stream: &Arc<CudaStream>) {
+        Fence::attach(self, stream)
+    }
+
+    fn note_use(&mut self, stream_key: u64) -> Result<()> {
+        Fence::note_use(self, stream_key)
+    }
+}
+
+impl Backend for Vmm {
+    type Reservation = Arc<Reservation>;
+    type Memory = Physical;
+    type Mapping = Mapping;
+    type Fence = Fence;
+    type Stream = Arc<CudaStream>;
+    type HostCopy = HostCopy;
+
+    fn granularity(&self, shareable: bool) -> Result<usize> {
+        granularity(&self.ctx, shareable)
+    }
+
+    fn reserve(&self, bytes: usize, alignment: usize) -> Result<Self::Reservation> {
+        Ok(Arc::new(Reservation::new(&self.ctx, bytes, alignment)?))
+    }
+
+    fn create_memory(&self, bytes: usize, shareable: bool) -> Result<Self::Memory> {
+        Physical::new(&self.ctx, bytes, shareable)
+    }
+
+    fn map_run(
+        &self,
+        reservation: &Self::Reservation,
+        offset: usize,
+        memory: &[Arc<Self::Memory>],
+    ) -> Result<Vec<Self::Mapping>> {
+        Mapping::new_many(reservation, offset, memory, &self.access)
+    }
+
+    fn map(
+        &self,
+        reservation: &Self::Reservation,
+        offset: usize,
+        memory: &Arc<Self::Memory>,
+        bytes: usize,
+    ) -> Result<Self::Mapping> {
+        Mapping::new(reservation, offset, memory, 0, bytes, &self.access)
+    }
+
+    fn map_alone(&self, memory: &Arc<Self::Memory>) -> Result<(Self::Reservation, Self::Mapping)> {
+        let mapping = Mapping::alone(&self.ctx, memory, &self.access)?;
+        Ok((mapping.reservation().clone(), mapping))
+    }
+
+    fn fence(&self, policy: FencePolicy) -> Self::Fence {
+        Fence::new(&self.ctx, policy)
+    }
+
+    fn copy_device(
+        &self,
+        stream: &Self::Stream,
+        source: u64,
+        destination: u64,
+        bytes: usize,
+    ) -> Result<()> {
+        driver::copy_device(stream, source, destination, bytes)
+    }
+
+    fn synchronize(&self, stream: &Self::Stream) -> Result<()> {
+        driver::synchronize_stream(stream)
+    }
+
+    fn synchronize_device(&self) -> Result<()> {
+        driver::synchronize_context(&self.ctx)
+    }
+
+    fn is_capturing(&self, stream: &Self::Stream) -> Result<bool> {
+        driver::is_capturing(stream)
+    }
+
+    fn stream_key(&self, stream: &Self::Stream) -> u64 {
+        stream.cu_stream() as usize as u64
+    }
+
+    fn free_memory(&self) -> usize {
+        driver::memory_info(&self.ctx).map_or(0, |(free, _)| free)
+    }
+
+    fn save(
+        &self,
+        storage: &HostStorage,
+        stream: &Self::Stream,
+        pieces: &[Piece],
+    ) -> Result<Self::HostCopy> {
+        host::copy::save_pieces(storage, stream, pieces)
+    }
+
+    fn load(&self, copy: &Self::HostCopy, stream: &Self::Stream, pieces: &[Piece]) -> Result<()> {
+        host::copy::load_pieces(copy, stream, pieces)
+    }
+
+    fn storage_used(copy: &Self::HostCopy) -> StorageUsed {
+        copy.storage()
+    }
+}
