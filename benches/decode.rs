@@ -58,6 +58,8 @@ fn main() {
         ratio: 4,
         max_batch: 8,
         act: Activation::GeluTanh,
+        ranks: 1,
+        rank: 0,
     };
     let main_space = Space::new(&ctx, decode::layout(shape).unwrap()).unwrap();
     let set_bytes = main_space.placement().groups[0].bytes;

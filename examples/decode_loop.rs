@@ -47,8 +47,8 @@ use std::time::Instant;
 
 use clap::{Parser, ValueEnum};
 use decode::loops::{
-    describe_nodes, make_sets, median, window_times, Checked, LaneSteps, Runner, Setup, Variant,
-    INPUT_SEED,
+    describe_nodes, make_sets, median, run_rounds, BatchResult, Checked, LaneSteps, Runner, Setup,
+    Variant, INPUT_SEED, SKIP, WINDOW,
 };
 use decode::{fill_input, work, Acts, Raw, Shape, Weights};
 use stablebuf::device::memory_info;
@@ -99,10 +99,6 @@ struct Args {
     common: support::Common,
 }
 
-/// Steps of each chunk whose windows are left out (the pipeline filling).
-const SKIP: usize = 2;
-/// Steps per timing window.
-const WINDOW: usize = 6;
 const GIB: f64 = (1u64 << 30) as f64;
 
 fn main() -> ExitCode {
@@ -117,46 +113,6 @@ fn main() -> ExitCode {
         code
     } else {
         ExitCode::FAILURE
-    }
-}
-
-/// One variant's results for one batch size.
-struct Row {
-    label: String,
-    describe: String,
-    copied: usize,
-    windows: Vec<f64>,
-    span_us: f64,
-    span_steps: usize,
-    host_us: Vec<f64>,
-    checked: Checked,
-    adjusted: usize,
-}
-
-impl Row {
-    fn per_step(&self) -> f64 {
-        median(&self.windows)
-    }
-    fn mean(&self) -> f64 {
-        self.span_us / self.span_steps as f64
-    }
-}
-
-struct BatchResult {
-    batch: usize,
-    nodes: String,
-    rows: Vec<Row>,
-}
-
-impl BatchResult {
-    fn row(&self, label: &str) -> &Row {
-        self.rows
-            .iter()
-            .find(|r| r.label == label)
-            .expect("every variant has a row")
-    }
-    fn us(&self, label: &str) -> f64 {
-        self.row(label).per_step()
     }
 }
 
@@ -177,6 +133,8 @@ fn run(args: &Args) -> Result<bool> {
             Act::Gelu => Activation::GeluTanh,
             Act::Silu => Activation::Silu,
         },
+        ranks: 1,
+        rank: 0,
     };
     let chunk = args.chunk.max(SKIP + WINDOW + 1).div_ceil(6) * 6;
     let ctx = args.common.open_device()?;
@@ -229,7 +187,7 @@ fn run(args: &Args) -> Result<bool> {
     print_table(&results, setup.set_bytes());
     let all_ok = results
         .iter()
-        .all(|r| r.rows.iter().all(|row| row.checked.failures.is_empty()));
+        .all(|r| r.rows.iter().all(|row| row.failures().next().is_none()));
     print_targets(&results);
 
     if !args.skip_bind_study {
@@ -241,7 +199,7 @@ fn run(args: &Args) -> Result<bool> {
     } else {
         println!("OUTPUT MISMATCHES:");
         for row in results.iter().flat_map(|r| &r.rows) {
-            for failure in &row.checked.failures {
+            for failure in row.failures() {
                 println!("  {failure}");
             }
         }
@@ -298,42 +256,14 @@ fn run_batch(
         Box::new(setup.copy_pipelined(batch)?),
         Box::new(setup.recapture(batch)?),
     ];
-    let mut rows: Vec<Row> = variants
-        .iter()
-        .map(|v| Row {
-            label: v.label().to_string(),
-            describe: v.describe(),
-            copied: v.bytes_copied(),
-            windows: Vec::new(),
-            span_us: 0.0,
-            span_steps: 0,
-            host_us: Vec::new(),
-            checked: Checked::default(),
-            adjusted: 0,
-        })
-        .collect();
-    let count = variants.len();
-    let mut next = vec![0usize; count];
-    for round in 0..=rounds {
-        for j in 0..count {
-            let k = (j + round) % count;
-            let result = runner.chunk(variants[k].as_mut(), next[k], chunk, batch)?;
-            next[k] += chunk;
-            let row = &mut rows[k];
-            row.checked.add(&row.label, &result, &references);
-            if round == 0 {
-                continue; // warm-up: checked, not timed
-            }
-            row.windows
-                .extend(window_times(&result.ends_us, SKIP, WINDOW));
-            row.span_us += result.ends_us[chunk - 1] - result.ends_us[SKIP];
-            row.span_steps += chunk - 1 - SKIP;
-            row.host_us.extend_from_slice(&result.host_us[SKIP..]);
-        }
-    }
-    for (row, variant) in rows.iter_mut().zip(&variants) {
-        row.adjusted = variant.adjusted_steps();
-    }
+    let rows = run_rounds(
+        &mut variants,
+        runner,
+        &[(&references, Checked::default())],
+        batch,
+        rounds,
+        chunk,
+    )?;
     Ok(BatchResult { batch, nodes, rows })
 }
 
@@ -383,8 +313,8 @@ fn print_table(results: &[BatchResult], set_bytes: usize) {
                 floor,
                 median(&row.host_us),
                 human(row.copied),
-                format!("{} ({})", row.checked.steps, row.checked.bitwise),
-                row.checked.worst
+                format!("{} ({})", row.checked().steps, row.checked().bitwise),
+                row.checked().worst
             );
             if row.adjusted > 0 {
                 println!(
@@ -491,6 +421,7 @@ fn bind_study(setup: &Setup<'_>, samples: usize, results: &[BatchResult]) -> Res
         acts,
         shape,
         1,
+        None,
     );
     step(&stream)?;
     stream.synchronize()?;

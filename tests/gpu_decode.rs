@@ -329,6 +329,8 @@ fn decode_step_rebinds_between_weight_sets() {
         ratio: 4,
         max_batch: 8,
         act: Activation::GeluTanh,
+        ranks: 1,
+        rank: 0,
     };
     let batch = 3;
     let h = shape.hidden;
@@ -362,6 +364,7 @@ fn decode_step_rebinds_between_weight_sets() {
         acts,
         shape,
         batch,
+        None,
     );
     step(s).unwrap(); // cuBLAS chooses and loads its kernels outside the capture
     s.synchronize().unwrap();

@@ -5,6 +5,8 @@
 //! ```text
 //!   (a) lanes, rebind     Pipeline of 2 or 3 lanes; each step binds the next set into the next
 //!                         lane (one unmap + map + set-access) and replays that lane's graph
+//!   (s) rebind, serial    one space, one stream: bind the next set (after the last replay),
+//!                         then replay
 //!   (e) no swap           the same lanes never rebinding, or one graph on one stream: the floor
 //!   (b) copy-in, serial   one static weight buffer: D2D copy of the whole set, then replay, on
 //!                         one stream (PyTorch's `static.copy_(w); graph.replay()`)
@@ -31,7 +33,7 @@ use stablebuf::kernels::Blas;
 use stablebuf::kernels::{f32_from_bf16, DecodeKernels};
 use stablebuf::{Dataset, Error, Layout, Pipeline, Result, Space, SpaceOptions, StableGraph};
 
-use super::{compare, fill_input, forward, rms, work, Acts, Raw, Shape, Weights};
+use super::{compare, fill_input, forward, rms, work, Acts, AllReduce, Raw, Shape, Weights};
 
 /// Seed of the input batch (the same in every space, so every variant computes the same thing).
 pub const INPUT_SEED: u64 = 0x5eed_0001;
@@ -75,6 +77,8 @@ pub struct Setup<'a> {
     pub main_space: Space,
     pub main_acts: Acts,
     pub main_blas: Arc<Blas>,
+    /// The all-reduce of a tensor-parallel stack (see [`Setup::all_reduce`]).
+    pub reduce: Option<AllReduce>,
 }
 
 /// `count` weight sets made from `space`'s layout, filled on the device from seeds
@@ -134,7 +138,15 @@ impl<'a> Setup<'a> {
             main_space,
             main_acts,
             main_blas,
+            reduce: None,
         })
+    }
+
+    /// Sums each layer's partial down projection over the ranks with `reduce` in every
+    /// variant's step (a stack with `shape.ranks > 1`).
+    pub fn all_reduce(mut self, reduce: AllReduce) -> Self {
+        self.reduce = Some(reduce);
+        self
     }
 
     /// Bytes of one weight set (what a copy-in moves per step).
@@ -154,6 +166,7 @@ impl<'a> Setup<'a> {
             &self.main_acts,
             self.shape,
             batch,
+            self.reduce.as_ref(),
         )?;
         Ok(self.main.synchronize()?)
     }
@@ -166,6 +179,7 @@ impl<'a> Setup<'a> {
             self.main_acts,
             self.shape,
             batch,
+            self.reduce.clone(),
         );
         StableGraph::capture(&self.main, &[&self.main_space], work)
     }
@@ -194,6 +208,61 @@ impl<'a> Setup<'a> {
         }
         self.main_space.bind(&self.sets[0])?;
         Ok(outputs)
+    }
+
+    /// The output of every weight set for `batch` rows (bf16 bits, `batch × hidden`), each
+    /// computed eagerly (no graph) on the main stream with that set bound in the main space.
+    /// Leaves set 0 bound.
+    pub fn eager_references(&self, batch: usize) -> Result<Vec<Vec<u16>>> {
+        let elements = batch * self.shape.hidden;
+        let mut outputs = Vec::with_capacity(self.sets.len());
+        for set in self.sets {
+            self.main_space.bind(set)?;
+            self.kernels.fill(&self.main, &self.main_acts.x, f32::NAN)?;
+            let weights = Weights::in_space(&self.main_space, self.shape)?;
+            forward(
+                &self.main_blas,
+                &self.kernels,
+                &self.main,
+                &weights,
+                &self.main_acts,
+                self.shape,
+                batch,
+                self.reduce.as_ref(),
+            )?;
+            let x: Vec<u16> = self.main_space.read(&self.main, "x")?;
+            outputs.push(x[..elements].to_vec());
+        }
+        self.main_space.bind(&self.sets[0])?;
+        Ok(outputs)
+    }
+
+    /// (s): a space of its own, bound to a new set before every replay, on one stream.
+    pub fn rebind_serial(&self, batch: usize) -> Result<RebindSerial<'a>> {
+        let space = Space::new(&self.ctx, self.layout.clone())?;
+        let stream = self.ctx.new_stream()?;
+        space.bind(&self.sets[0])?;
+        let acts = Acts::in_space(&space)?;
+        fill_input(&self.kernels, &stream, &acts, INPUT_SEED)?;
+        let blas = Arc::new(Blas::new(&stream, &acts.workspace)?);
+        let mut step = work(
+            blas,
+            self.kernels.clone(),
+            Weights::in_space(&space, self.shape)?,
+            acts,
+            self.shape,
+            batch,
+            self.reduce.clone(),
+        );
+        step(&stream)?; // cuBLAS picks and loads its kernels outside the capture
+        stream.synchronize()?;
+        let graph = StableGraph::capture(&stream, &[&space], step)?;
+        Ok(RebindSerial {
+            graph,
+            space,
+            sets: self.sets,
+            x: acts.x,
+        })
     }
 
     /// (b): one static buffer laid out like a set; copy, then replay.
@@ -254,6 +323,7 @@ impl<'a> Setup<'a> {
             sets: self.sets,
             shape: self.shape,
             batch,
+            reduce: self.reduce.clone(),
             previous: None,
         })
     }
@@ -263,6 +333,7 @@ impl<'a> Setup<'a> {
     /// no-swap [`LaneSteps`].
     pub fn lanes(&self, count: usize, batch: usize) -> Result<Rc<RefCell<SharedLanes>>> {
         let (kernels, shape, first) = (self.kernels.clone(), self.shape, &self.sets[0]);
+        let reduce = self.reduce.clone();
         let pipeline = Pipeline::new(
             &self.ctx,
             &self.layout,
@@ -274,7 +345,15 @@ impl<'a> Setup<'a> {
                 space.bind(first)?;
                 fill_input(&kernels, stream, &acts, INPUT_SEED)?;
                 let weights = Weights::in_space(space, shape)?;
-                let mut step = work(blas, kernels.clone(), weights, acts, shape, batch);
+                let mut step = work(
+                    blas,
+                    kernels.clone(),
+                    weights,
+                    acts,
+                    shape,
+                    batch,
+                    reduce.clone(),
+                );
                 step(stream)?; // cuBLAS picks and loads its kernels outside the capture
                 stream.synchronize()?;
                 Ok(step)
@@ -385,6 +464,34 @@ impl Variant for LaneSteps<'_> {
     }
     fn adjusted_steps(&self) -> usize {
         self.adjusted
+    }
+}
+
+/// (s) One space and one stream: bind the next set, then replay.
+pub struct RebindSerial<'a> {
+    graph: StableGraph,
+    space: Space,
+    sets: &'a [Dataset],
+    x: Raw,
+}
+
+impl Variant for RebindSerial<'_> {
+    fn label(&self) -> &str {
+        "s"
+    }
+    fn describe(&self) -> String {
+        "stablebuf, 1 space, bind then replay".into()
+    }
+    fn step(&mut self, s: usize) -> Result<StepOut> {
+        let set = s % self.sets.len();
+        // The bind waits for the space's last replay (the default fence), then remaps.
+        self.space.bind(&self.sets[set])?;
+        self.graph.replay()?;
+        Ok(StepOut {
+            stream: self.graph.stream().clone(),
+            x: self.x,
+            set,
+        })
     }
 }
 
@@ -502,6 +609,7 @@ pub struct Recapture<'a> {
     sets: &'a [Dataset],
     shape: Shape,
     batch: usize,
+    reduce: Option<AllReduce>,
     /// The last step's graph: destroying an executable still in flight is deferred by the
     /// driver to its completion, so the previous one can go as soon as the next is launched.
     previous: Option<StableGraph>,
@@ -524,6 +632,7 @@ impl Variant for Recapture<'_> {
             self.acts,
             self.shape,
             self.batch,
+            self.reduce.clone(),
         );
         let graph = StableGraph::capture(&self.stream, &[&self.space], work)?;
         graph.replay()?;
@@ -650,6 +759,117 @@ impl Runner {
     }
 }
 
+/// Steps of each chunk whose windows are left out (the pipeline filling).
+pub const SKIP: usize = 2;
+/// Steps per timing window.
+pub const WINDOW: usize = 6;
+
+/// One variant's results for one batch size.
+pub struct Row {
+    pub label: String,
+    pub describe: String,
+    pub copied: usize,
+    pub windows: Vec<f64>,
+    pub span_us: f64,
+    pub span_steps: usize,
+    pub host_us: Vec<f64>,
+    /// One per reference the rounds checked against, in the order given.
+    pub checks: Vec<Checked>,
+    pub adjusted: usize,
+}
+
+impl Row {
+    /// Median µs per step over the timing windows.
+    pub fn per_step(&self) -> f64 {
+        median(&self.windows)
+    }
+    /// The chunks' spans over their steps.
+    pub fn mean(&self) -> f64 {
+        self.span_us / self.span_steps as f64
+    }
+    /// The first check (against the references every run has).
+    pub fn checked(&self) -> &Checked {
+        &self.checks[0]
+    }
+    /// Every failure of every check.
+    pub fn failures(&self) -> impl Iterator<Item = &String> {
+        self.checks.iter().flat_map(|c| &c.failures)
+    }
+}
+
+/// Every variant's row for one batch size.
+pub struct BatchResult {
+    pub batch: usize,
+    /// The no-swap graph's nodes, described.
+    pub nodes: String,
+    pub rows: Vec<Row>,
+}
+
+impl BatchResult {
+    pub fn row(&self, label: &str) -> &Row {
+        self.rows
+            .iter()
+            .find(|r| r.label == label)
+            .expect("every variant has a row")
+    }
+    /// The variant's median µs per step.
+    pub fn us(&self, label: &str) -> f64 {
+        self.row(label).per_step()
+    }
+}
+
+/// Runs `variants` in chunks of `chunk` steps: one warm-up chunk each (checked, not timed),
+/// then `rounds` rounds of one chunk each, the order rotating every round. Every step's output
+/// is checked against each `(references, check)` pair (references per weight set, bf16 bits).
+pub fn run_rounds(
+    variants: &mut [Box<dyn Variant + '_>],
+    runner: &Runner,
+    checks: &[(&[Vec<u16>], Checked)],
+    batch: usize,
+    rounds: usize,
+    chunk: usize,
+) -> Result<Vec<Row>> {
+    let mut rows: Vec<Row> = variants
+        .iter()
+        .map(|v| Row {
+            label: v.label().to_string(),
+            describe: v.describe(),
+            copied: v.bytes_copied(),
+            windows: Vec::new(),
+            span_us: 0.0,
+            span_steps: 0,
+            host_us: Vec::new(),
+            checks: checks.iter().map(|(_, c)| c.clone()).collect(),
+            adjusted: 0,
+        })
+        .collect();
+    let count = variants.len();
+    let mut next = vec![0usize; count];
+    for round in 0..=rounds {
+        for j in 0..count {
+            let k = (j + round) % count;
+            let result = runner.chunk(variants[k].as_mut(), next[k], chunk, batch)?;
+            next[k] += chunk;
+            let row = &mut rows[k];
+            for (check, (references, _)) in row.checks.iter_mut().zip(checks) {
+                check.add(&row.label, &result, references);
+            }
+            if round == 0 {
+                continue; // warm-up: checked, not timed
+            }
+            row.windows
+                .extend(window_times(&result.ends_us, SKIP, WINDOW));
+            row.span_us += result.ends_us[chunk - 1] - result.ends_us[SKIP];
+            row.span_steps += chunk - 1 - SKIP;
+            row.host_us.extend_from_slice(&result.host_us[SKIP..]);
+        }
+    }
+    for (row, variant) in rows.iter_mut().zip(variants.iter()) {
+        row.adjusted = variant.adjusted_steps();
+    }
+    Ok(rows)
+}
+
 /// Per-step times of a chunk: the mean over each window of `window` consecutive steps
 /// (`(end[i] - end[i - window]) / window`), leaving out windows that start in the first `skip`
 /// steps (the pipeline filling). Windows, not single steps, because lanes on several streams
@@ -676,26 +896,84 @@ pub fn median(values: &[f64]) -> f64 {
 }
 
 /// What the checks of one variant found.
-#[derive(Default)]
+#[derive(Clone)]
 pub struct Checked {
     pub steps: usize,
     /// Steps whose output equals the reference bit for bit.
     pub bitwise: usize,
     /// Largest |difference| relative to the reference's RMS.
     pub worst: f32,
+    /// Largest ‖difference‖₂ / ‖reference‖₂ of a step.
+    pub worst_l2: f32,
     pub failures: Vec<String>,
+    tolerance: Tolerance,
+}
+
+/// When a step's output passes.
+#[derive(Clone, Copy)]
+enum Tolerance {
+    /// Every element within `rtol·|reference| + atol_rms·RMS(reference)`.
+    Elements { rtol: f32, atol_rms: f32 },
+    /// ‖difference‖₂ ≤ `l2`·‖reference‖₂, and no element off by more than `max_rms`·RMS.
+    Norm { l2: f32, max_rms: f32 },
+}
+
+impl Default for Checked {
+    /// Within 1/64 relative plus 2% of the reference's RMS per element (a wrong or stale set
+    /// differs by about the RMS itself).
+    fn default() -> Self {
+        Self::within(1.0 / 64.0, 0.02)
+    }
 }
 
 impl Checked {
-    /// Compares every step of `chunk` with `references[set]`: within 1/64 relative plus 2% of
-    /// the reference's RMS per element (a wrong or stale set differs by about the RMS itself).
+    /// Elements pass within `rtol·|reference| + atol_rms·RMS(reference)`.
+    pub fn within(rtol: f32, atol_rms: f32) -> Self {
+        Self::new(Tolerance::Elements { rtol, atol_rms })
+    }
+
+    /// A step passes when ‖output − reference‖₂ ≤ `l2`·‖reference‖₂ and no element is off by
+    /// more than `max_rms`·RMS(reference): for references computed another way (a CPU model),
+    /// where bf16 rounding flips add up over the layers but a wrong or stale weight set is off
+    /// by about the RMS everywhere.
+    pub fn norm_within(l2: f32, max_rms: f32) -> Self {
+        Self::new(Tolerance::Norm { l2, max_rms })
+    }
+
+    fn new(tolerance: Tolerance) -> Self {
+        Self {
+            steps: 0,
+            bitwise: 0,
+            worst: 0.0,
+            worst_l2: 0.0,
+            failures: Vec::new(),
+            tolerance,
+        }
+    }
+
+    /// Compares every step of `chunk` with `references[set]`.
     pub fn add(&mut self, name: &str, chunk: &Chunk, references: &[Vec<u16>]) {
         for (i, (output, &set)) in chunk.outputs.iter().zip(&chunk.sets).enumerate() {
             let want_bits = &references[set];
             let got: Vec<f32> = output.iter().map(|&b| f32_from_bf16(b)).collect();
             let want: Vec<f32> = want_bits.iter().map(|&b| f32_from_bf16(b)).collect();
             let scale = rms(&want);
-            let (worst, ok) = compare(&got, &want, 1.0 / 64.0, 0.02 * scale);
+            let difference: Vec<f32> = got.iter().zip(&want).map(|(g, w)| g - w).collect();
+            let l2 = rms(&difference) / scale;
+            let (worst, ok) = match self.tolerance {
+                Tolerance::Elements { rtol, atol_rms } => {
+                    compare(&got, &want, rtol, atol_rms * scale)
+                }
+                Tolerance::Norm { l2: limit, max_rms } => {
+                    let (worst, within) = compare(&got, &want, 0.0, max_rms * scale);
+                    (worst, within && l2 <= limit)
+                }
+            };
+            self.worst_l2 = if l2.is_nan() || self.worst_l2.is_nan() {
+                f32::NAN
+            } else {
+                self.worst_l2.max(l2)
+            };
             self.steps += 1;
             self.bitwise += usize::from(output == want_bits);
             let relative = worst / scale;
@@ -706,7 +984,8 @@ impl Checked {
             }
             if !ok && self.failures.len() < 5 {
                 self.failures.push(format!(
-                    "{name}: step {i} of a chunk (weight set {set}): max |diff| {worst} (reference RMS {scale})"
+                    "{name}: step {i} of a chunk (weight set {set}): max |diff| {worst}, \
+                     |diff|/|reference| {l2:.2e} (reference RMS {scale})"
                 ));
             }
         }

@@ -16,6 +16,14 @@
 //! Layer 0 reads the input `x0` and writes `x`; later layers update `x` in place, so a replay
 //! needs no copy node and always starts from the same input. Scratch is sized for
 //! `Shape::max_batch` rows; a pass may use fewer.
+//!
+//! Tensor parallel (`Shape::ranks` > 1, one process per rank): each rank holds rows
+//! `rank·s .. (rank+1)·s` of every `W_up` and `b_up` and the same columns of every `W_down`
+//! (`s = inner / ranks`: column- then row-parallel), so `d` is a partial sum, all-reduced (an
+//! [`AllReduce`] the caller passes, NCCL in `examples/tensor_parallel.rs`) before the residual;
+//! gamma and `b_down` are the same on every rank. With one rank the values are those of the
+//! single-device stack; [`HostWeights::generate`] assembles the whole model from every rank's
+//! shard for the CPU reference.
 #![allow(dead_code)]
 
 pub mod loops;
@@ -23,11 +31,12 @@ pub mod loops;
 use std::sync::Arc;
 
 use stablebuf::cudarc::driver::{sys, CudaStream};
+use stablebuf::error::LayoutError;
 use stablebuf::kernels::{
     bf16_from_f32, f32_from_bf16, uniform_bf16, Activation, DecodeKernels, GemmOutput, WeightLayout,
 };
 use stablebuf::kernels::{Blas, RECOMMENDED_WORKSPACE};
-use stablebuf::{Dataset, DeviceBuffer, Layout, Result, Space};
+use stablebuf::{Dataset, DeviceBuffer, Error, Layout, Result, Space};
 
 /// RMSNorm's epsilon.
 pub const EPS: f32 = 1e-5;
@@ -44,21 +53,58 @@ pub struct Shape {
     /// Rows the scratch slots hold; a forward pass may use fewer.
     pub max_batch: usize,
     pub act: Activation,
+    /// Tensor-parallel ranks the MLP's inner width is split over (1: the whole stack here).
+    pub ranks: usize,
+    /// Which rank's shard this process holds (`0..ranks`).
+    pub rank: usize,
 }
 
 impl Shape {
+    /// The MLP's inner width (of the whole model).
     pub fn inner(&self) -> usize {
         self.ratio * self.hidden
     }
 
-    /// bf16 elements of one layer's vectors: gamma, b_up, b_down.
-    pub fn vector_len(&self) -> usize {
-        2 * self.hidden + self.inner()
+    /// The part of the inner width this rank holds (`inner / ranks`).
+    pub fn shard(&self) -> usize {
+        self.inner() / self.ranks.max(1)
     }
 
-    /// Bytes of weights a forward pass reads (matrices and vectors, without padding).
+    /// The same stack whole, on one device (the CPU reference's shape).
+    pub fn whole(&self) -> Self {
+        Self {
+            ranks: 1,
+            rank: 0,
+            ..*self
+        }
+    }
+
+    /// The same stack as rank `rank` holds it.
+    pub fn of_rank(&self, rank: usize) -> Self {
+        Self { rank, ..*self }
+    }
+
+    /// bf16 elements of one layer's vectors here: gamma, b_up (this rank's part), b_down.
+    pub fn vector_len(&self) -> usize {
+        2 * self.hidden + self.shard()
+    }
+
+    /// Bytes of weights a forward pass reads on this rank (matrices and vectors, without
+    /// padding).
     pub fn weight_bytes(&self) -> usize {
-        self.layers * (2 * self.hidden * self.inner() + self.vector_len()) * BF16
+        self.layers * (2 * self.hidden * self.shard() + self.vector_len()) * BF16
+    }
+
+    fn check(&self) -> Result<()> {
+        if self.ranks == 0 || self.rank >= self.ranks || !self.inner().is_multiple_of(self.ranks) {
+            return Err(Error::Layout(LayoutError::InvalidShape(format!(
+                "rank {} of {} ranks, inner width {}: the ranks must split the inner width evenly",
+                self.rank,
+                self.ranks,
+                self.inner()
+            ))));
+        }
+        Ok(())
     }
 
     /// Graph nodes of one pass that are ours (cuBLAS adds one or more per GEMM).
@@ -69,7 +115,8 @@ impl Shape {
 
 /// The layout: group "weights" and the scratch slots of one lane. See the module docs.
 pub fn layout(shape: Shape) -> Result<Layout> {
-    let (h, inner, b) = (shape.hidden, shape.inner(), shape.max_batch);
+    shape.check()?;
+    let (h, inner, b) = (shape.hidden, shape.shard(), shape.max_batch);
     let mut builder = Layout::builder()
         .group("weights")
         .input("vectors", shape.layers * shape.vector_len() * BF16);
@@ -188,12 +235,12 @@ impl Weights {
     }
 
     pub fn b_up(&self, layer: usize) -> Raw {
-        self.vector(layer, self.shape.hidden, self.shape.inner())
+        self.vector(layer, self.shape.hidden, self.shape.shard())
     }
 
     pub fn b_down(&self, layer: usize) -> Raw {
         let s = self.shape;
-        self.vector(layer, s.hidden + s.inner(), s.hidden)
+        self.vector(layer, s.hidden + s.shard(), s.hidden)
     }
 }
 
@@ -224,7 +271,14 @@ impl Acts {
     }
 }
 
+/// Sums a tensor-parallel layer's partial `d` (f32, in place) over every rank, on the stream
+/// given; capturable. Every rank must make the same calls in the same order.
+pub type AllReduce = Arc<dyn Fn(&Arc<CudaStream>, &Raw) -> Result<()> + Send + Sync>;
+
 /// Enqueues one decode step for `batch` rows on `stream` (the stream `blas` was made on).
+/// `reduce` sums each layer's partial down projection over the ranks (needed when
+/// `shape.ranks > 1`).
+#[allow(clippy::too_many_arguments)]
 pub fn forward(
     blas: &Blas,
     kernels: &DecodeKernels,
@@ -233,8 +287,15 @@ pub fn forward(
     a: &Acts,
     shape: Shape,
     batch: usize,
+    reduce: Option<&AllReduce>,
 ) -> Result<()> {
-    let (h, inner) = (shape.hidden, shape.inner());
+    if shape.ranks > 1 && reduce.is_none() {
+        return Err(Error::Layout(LayoutError::InvalidShape(format!(
+            "a stack split over {} ranks needs an all-reduce",
+            shape.ranks
+        ))));
+    }
+    let (h, inner) = (shape.hidden, shape.shard());
     for l in 0..shape.layers {
         let input = if l == 0 { &a.x0 } else { &a.x };
         kernels.rms_norm(stream, input, &w.gamma(l), &a.normed, [batch, h], EPS)?;
@@ -262,6 +323,9 @@ pub fn forward(
             GemmOutput::F32,
             [batch, h, inner],
         )?;
+        if let Some(reduce) = reduce {
+            reduce(stream, &a.down_out.part(0, batch * h * F32))?;
+        }
         kernels.residual_add(stream, &a.down_out, &w.b_down(l), input, &a.x, [batch, h])?;
     }
     Ok(())
@@ -276,8 +340,20 @@ pub fn work(
     a: Acts,
     shape: Shape,
     batch: usize,
+    reduce: Option<AllReduce>,
 ) -> impl FnMut(&Arc<CudaStream>) -> Result<()> + Send + 'static {
-    move |stream| forward(&blas, &kernels, stream, &w, &a, shape, batch)
+    move |stream| {
+        forward(
+            &blas,
+            &kernels,
+            stream,
+            &w,
+            &a,
+            shape,
+            batch,
+            reduce.as_ref(),
+        )
+    }
 }
 
 /// One random tensor of a weight set: which one, and the range of its values.
@@ -332,9 +408,17 @@ fn tensors(shape: Shape) -> Vec<Tensor> {
     all
 }
 
-/// The seed of tensor `index` of weight set `seed`.
-fn tensor_seed(seed: u64, index: usize) -> u64 {
-    seed.wrapping_mul(0x1_0000_0001).wrapping_add(index as u64)
+/// The seed of tensor `index` of weight set `seed` on `shape`'s rank: the tensors split over the
+/// ranks (b_up, W_up, W_down) differ per rank (rank 0's seeds are the single-device stack's);
+/// gamma and b_down are the same on every rank.
+fn tensor_seed(shape: Shape, part: &Part, seed: u64, index: usize) -> u64 {
+    let seed = seed.wrapping_mul(0x1_0000_0001).wrapping_add(index as u64);
+    match part {
+        Part::Gamma(_) | Part::BiasDown(_) => seed,
+        Part::BiasUp(_) | Part::Up(_) | Part::Down(_) => {
+            seed ^ (shape.rank as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+        }
+    }
 }
 
 /// Fills a weight set in place on the device from `seed` (see [`HostWeights::generate`] for the
@@ -354,7 +438,8 @@ pub fn fill_weights(
             Part::Up(l) => w.up[l],
             Part::Down(l) => w.down[l],
         };
-        kernels.fill_uniform(stream, &target, tensor_seed(seed, index), t.lo, t.hi)?;
+        let seed = tensor_seed(shape, &t.what, seed, index);
+        kernels.fill_uniform(stream, &target, seed, t.lo, t.hi)?;
     }
     Ok(())
 }
@@ -376,7 +461,7 @@ pub fn host_input(shape: Shape, seed: u64) -> Vec<u16> {
         .collect()
 }
 
-/// A weight set on the host, as bf16 bits.
+/// A weight set on the host, as bf16 bits (of the whole model, or of one rank's shard).
 pub struct HostWeights {
     pub vectors: Vec<u16>,
     pub up: Vec<Vec<u16>>,
@@ -384,31 +469,99 @@ pub struct HostWeights {
 }
 
 impl HostWeights {
-    /// The values [`fill_weights`] writes with `seed`, bit for bit.
+    /// The whole model (`shape.whole()`) of the set [`fill_weights`] writes with `seed` on
+    /// each rank, bit for bit: with one rank, what it writes; with several, every rank's shard
+    /// put in its place.
     pub fn generate(shape: Shape, seed: u64) -> Self {
-        let (h, inner, vl) = (shape.hidden, shape.inner(), shape.vector_len());
+        if shape.ranks <= 1 {
+            return Self::shard(shape, seed);
+        }
+        let shards: Vec<Self> = std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..shape.ranks)
+                .map(|rank| scope.spawn(move || Self::shard(shape.of_rank(rank), seed)))
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("a generating thread panicked"))
+                .collect()
+        });
+        Self::assemble(shape, &shards)
+    }
+
+    /// The values [`fill_weights`] writes with `seed` on `shape`'s rank, bit for bit. The large
+    /// matrices are generated on threads of their own.
+    pub fn shard(shape: Shape, seed: u64) -> Self {
+        let (h, inner, vl) = (shape.hidden, shape.shard(), shape.vector_len());
         let mut out = Self {
             vectors: vec![0; shape.layers * vl],
             up: vec![vec![0; inner * h]; shape.layers],
             down: vec![vec![0; h * inner]; shape.layers],
         };
-        for (index, t) in tensors(shape).iter().enumerate() {
+        let fill = |target: &mut [u16], seed: u64, t: &Tensor| {
+            for (i, v) in target.iter_mut().enumerate() {
+                *v = uniform_bf16(seed, i as u64, t.lo, t.hi);
+            }
+        };
+        let all = tensors(shape);
+        let seeds: Vec<u64> = all
+            .iter()
+            .enumerate()
+            .map(|(index, t)| tensor_seed(shape, &t.what, seed, index))
+            .collect();
+        for (t, &seed) in all.iter().zip(&seeds) {
             let target: &mut [u16] = match t.what {
                 Part::Gamma(l) => &mut out.vectors[l * vl..l * vl + h],
                 Part::BiasUp(l) => &mut out.vectors[l * vl + h..l * vl + h + inner],
                 Part::BiasDown(l) => &mut out.vectors[l * vl + h + inner..(l + 1) * vl],
-                Part::Up(l) => &mut out.up[l],
-                Part::Down(l) => &mut out.down[l],
+                Part::Up(_) | Part::Down(_) => continue,
             };
-            let seed = tensor_seed(seed, index);
-            for (i, v) in target.iter_mut().enumerate() {
-                *v = uniform_bf16(seed, i as u64, t.lo, t.hi);
+            fill(target, seed, t);
+        }
+        std::thread::scope(|scope| {
+            let mut up = out.up.iter_mut();
+            let mut down = out.down.iter_mut();
+            for (t, &seed) in all.iter().zip(&seeds) {
+                let target = match t.what {
+                    Part::Up(_) => up.next(),
+                    Part::Down(_) => down.next(),
+                    _ => continue,
+                }
+                .expect("one matrix per layer");
+                scope.spawn(move || fill(target, seed, t));
+            }
+        });
+        out
+    }
+
+    /// The whole model from every rank's shard (`shards[r]` of rank `r`).
+    fn assemble(shape: Shape, shards: &[Self]) -> Self {
+        let whole = shape.whole();
+        let (h, s, inner) = (shape.hidden, shape.shard(), whole.inner());
+        let (vl, shard_vl) = (whole.vector_len(), shape.vector_len());
+        let mut out = Self {
+            vectors: vec![0; shape.layers * vl],
+            up: vec![Vec::with_capacity(inner * h); shape.layers],
+            down: vec![vec![0; h * inner]; shape.layers],
+        };
+        for l in 0..shape.layers {
+            let vectors = &mut out.vectors[l * vl..(l + 1) * vl];
+            let first = &shards[0].vectors[l * shard_vl..(l + 1) * shard_vl];
+            vectors[..h].copy_from_slice(&first[..h]); // gamma: the same on every rank
+            vectors[h + inner..].copy_from_slice(&first[h + s..]); // b_down: the same too
+            for (rank, shard) in shards.iter().enumerate() {
+                let part = &shard.vectors[l * shard_vl..(l + 1) * shard_vl];
+                vectors[h + rank * s..h + (rank + 1) * s].copy_from_slice(&part[h..h + s]);
+                out.up[l].extend_from_slice(&shard.up[l]); // rows rank·s ..
+                for i in 0..h {
+                    out.down[l][i * inner + rank * s..i * inner + (rank + 1) * s]
+                        .copy_from_slice(&shard.down[l][i * s..(i + 1) * s]);
+                }
             }
         }
         out
     }
 
-    /// Copies the set into `dataset` (blocking).
+    /// Copies the set (as generated for `dataset`'s rank) into `dataset` (blocking).
     pub fn upload(&self, dataset: &Dataset, stream: &Arc<CudaStream>) -> Result<()> {
         dataset.write(stream, "vectors", &self.vectors)?;
         for (l, (up, down)) in self.up.iter().zip(&self.down).enumerate() {
@@ -424,9 +577,10 @@ fn round_bf16(v: f32) -> f32 {
 }
 
 /// Float32 CPU reference of one step for row `row` of `x0` (`max_batch × hidden` bf16 bits),
-/// rounding to bf16 where the GPU stores bf16 and accumulating dot products in f64. Returns the
-/// row of `x` after the last layer.
+/// rounding to bf16 where the GPU stores bf16 and accumulating dot products in f64, on the
+/// whole model (`w` from [`HostWeights::generate`]). Returns the row of `x` after the last layer.
 pub fn cpu_forward_row(w: &HostWeights, x0: &[u16], row: usize, shape: Shape) -> Vec<f32> {
+    let shape = shape.whole();
     let (h, inner, vl) = (shape.hidden, shape.inner(), shape.vector_len());
     let mut x: Vec<f32> = x0[row * h..(row + 1) * h]
         .iter()

@@ -219,7 +219,10 @@ def _capture(torch, graph, fn):
     with torch.cuda.stream(side):
         fn()
     torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(graph):
+    # A capture stream of the current device: torch.cuda.graph's default one is made once per
+    # process, on the device current at the first capture, and a capture on another device's
+    # stream fails on the first kernel ("operation not permitted when stream is capturing").
+    with torch.cuda.graph(graph, stream=torch.cuda.Stream()):
         out = fn()
     return out
 
