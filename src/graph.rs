@@ -146,7 +146,7 @@ impl NodeKind {
 /// A CUDA graph captured over one or more spaces.
 ///
 /// Replaying checks, under the spaces' locks, that every group of every space has a dataset
-/// bound; otherwise it returns [`GraphError::Unbound`](crate::error::GraphError::Unbound) and
+/// bound; otherwise it returns [`GraphError::Unbound`] and
 /// launches nothing, so a missing binding is
 /// an error rather than an illegal-address fault. The graph keeps its spaces' addresses reserved
 /// for as long as it lives.

@@ -192,7 +192,7 @@ pub fn send_ack(socket: &UnixStream, dataset: u64) -> Result<()> {
 }
 
 /// Waits for the consumer's answer about `dataset`: `Ok` on its Ack,
-/// [`ShareError::Rejected`](crate::error::ShareError::Rejected) with the
+/// [`ShareError::Rejected`] with the
 /// consumer's reason on a Reject.
 pub fn wait_ack(socket: &UnixStream, dataset: u64) -> Result<()> {
     match receive_message(socket)?.0 {

@@ -293,7 +293,7 @@ pub fn offer_weight_set(
 }
 
 /// Waits for the trainer's answer to the offer of `set`: `Ok` on its Ack,
-/// [`ShareError::Rejected`](crate::error::ShareError::Rejected) with its reason on a Reject.
+/// [`ShareError::Rejected`] with its reason on a Reject.
 pub fn wait_set_ack(socket: &UnixStream, set: u64) -> Result<()> {
     match receive_plain(socket)? {
         PublishMessage::Ack { set: acked } if acked == set => Ok(()),
