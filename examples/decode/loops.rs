@@ -157,6 +157,12 @@ impl<'a> Setup<'a> {
     /// Runs one step outside any graph on the main stream (set 0), so cuBLAS has chosen and
     /// loaded its kernels for this shape before a capture records them.
     fn warm_main(&self, batch: usize) -> Result<()> {
+        self.forward_main(batch)?;
+        Ok(self.main.synchronize()?)
+    }
+
+    /// Enqueues one step outside any graph on the main stream, over the set bound there.
+    fn forward_main(&self, batch: usize) -> Result<()> {
         let weights = Weights::in_space(&self.main_space, self.shape)?;
         forward(
             &self.main_blas,
@@ -167,8 +173,27 @@ impl<'a> Setup<'a> {
             self.shape,
             batch,
             self.reduce.as_ref(),
-        )?;
-        Ok(self.main.synchronize()?)
+        )
+    }
+
+    /// For each weight set in turn: bind it in the main space, poison `x`, `run` a step there
+    /// and read the first `batch` rows of `x`. Leaves set 0 bound.
+    fn outputs_per_set(
+        &self,
+        batch: usize,
+        mut run: impl FnMut() -> Result<()>,
+    ) -> Result<Vec<Vec<u16>>> {
+        let elements = batch * self.shape.hidden;
+        let mut outputs = Vec::with_capacity(self.sets.len());
+        for set in self.sets {
+            self.main_space.bind(set)?;
+            self.kernels.fill(&self.main, &self.main_acts.x, f32::NAN)?;
+            run()?;
+            let x: Vec<u16> = self.main_space.read(&self.main, "x")?;
+            outputs.push(x[..elements].to_vec());
+        }
+        self.main_space.bind(&self.sets[0])?;
+        Ok(outputs)
     }
 
     fn capture_main(&self, weights: Weights, batch: usize) -> Result<StableGraph> {
@@ -197,44 +222,14 @@ impl<'a> Setup<'a> {
     /// The output of every weight set for `batch` rows (bf16 bits, `batch × hidden`), each
     /// computed by `replay`'s graph with that set bound in the main space. Leaves set 0 bound.
     pub fn references(&self, replay: &Replay, batch: usize) -> Result<Vec<Vec<u16>>> {
-        let elements = batch * self.shape.hidden;
-        let mut outputs = Vec::with_capacity(self.sets.len());
-        for set in self.sets {
-            self.main_space.bind(set)?;
-            self.kernels.fill(&self.main, &self.main_acts.x, f32::NAN)?;
-            replay.graph.replay()?;
-            let x: Vec<u16> = self.main_space.read(&self.main, "x")?;
-            outputs.push(x[..elements].to_vec());
-        }
-        self.main_space.bind(&self.sets[0])?;
-        Ok(outputs)
+        self.outputs_per_set(batch, || replay.graph.replay())
     }
 
     /// The output of every weight set for `batch` rows (bf16 bits, `batch × hidden`), each
     /// computed eagerly (no graph) on the main stream with that set bound in the main space.
     /// Leaves set 0 bound.
     pub fn eager_references(&self, batch: usize) -> Result<Vec<Vec<u16>>> {
-        let elements = batch * self.shape.hidden;
-        let mut outputs = Vec::with_capacity(self.sets.len());
-        for set in self.sets {
-            self.main_space.bind(set)?;
-            self.kernels.fill(&self.main, &self.main_acts.x, f32::NAN)?;
-            let weights = Weights::in_space(&self.main_space, self.shape)?;
-            forward(
-                &self.main_blas,
-                &self.kernels,
-                &self.main,
-                &weights,
-                &self.main_acts,
-                self.shape,
-                batch,
-                self.reduce.as_ref(),
-            )?;
-            let x: Vec<u16> = self.main_space.read(&self.main, "x")?;
-            outputs.push(x[..elements].to_vec());
-        }
-        self.main_space.bind(&self.sets[0])?;
-        Ok(outputs)
+        self.outputs_per_set(batch, || self.forward_main(batch))
     }
 
     /// (s): a space of its own, bound to a new set before every replay, on one stream.
