@@ -96,6 +96,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps before each")
     parser.add_argument("--check-steps", type=int, default=12, help="steps of each checked run")
     parser.add_argument("--seed", type=int, default=20261126)
+    parser.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="skip torch.compile and method (e), to narrow a problem down",
+    )
     parser.add_argument("--pg-timeout", type=int, default=300, help="NCCL timeout, seconds")
     args = parser.parse_args()
     args.hidden = args.hidden or (1024 if args.small else 4096)
@@ -109,6 +114,14 @@ def say(*parts: Any) -> None:
     """Print on rank 0 only (the other ranks' lines would interleave)."""
     if dist.get_rank() == 0:
         print(*parts, flush=True)
+
+
+def trace(what: str) -> None:
+    """With ``STABLEBUF_TP_TRACE=1``: wait for the GPU, then say on every rank that ``what``
+    finished (a fault shows up at the wait, after the last phase that finished)."""
+    if os.environ.get("STABLEBUF_TP_TRACE") == "1":
+        torch.cuda.synchronize()
+        print(f"rank {dist.get_rank()}: {what} done", flush=True)
 
 
 def all_ranks(ok: bool) -> bool:
@@ -574,18 +587,26 @@ class TPRun:
         for key, _, method, exact in METHODS:
             if key not in ("c0", "e"):
                 self.check_run(key, method, exact)
-        self.compile()
+                trace(f"checked run ({key})")
+        if self.args.no_compile:
+            say("tp_decode: torch.compile and method (e) skipped (--no-compile)")
+        else:
+            self.compile()
+            trace("compile")
         if self.compile_ok:
             self.check_run("e", "bind_compiled", exact=False)
+            trace("checked run (e)")
 
         times: dict[str, dict[str, float]] = {}
         for key, _, method, exact in METHODS:
             if key == "e" and not self.compile_ok:
                 continue
             times[key], samples = timed(getattr(self, method), self.args)
+            trace(f"timed ({key})")
             for i, k, out in samples:
                 self.checks.check(f"({key}) timed, sampled", i, k, out, exact)
             self.restore()
+            trace(f"restore after ({key})")
         say(f"tp_decode: timed {', '.join(f'({key})' for key in times)}")
 
         self.sleep_wake()

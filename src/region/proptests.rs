@@ -1,7 +1,10 @@
 //! Property tests of the region state machine on the fake driver, which holds bytes: random
 //! sequences of allocations, writes, frees, sleeps (pageable and discarded), wakes, snapshots,
-//! binds, copy and remap switches, loads, unbinds, wakes onto a set and dropped sets, with
-//! driver failures injected at any call and the device small enough to run out of memory.
+//! binds, copy and remap switches, loads, unbinds, wakes onto a set, dropped sets and
+//! publishes (a set exported, imported by another process and rewritten there through its own
+//! mapping, the import kept or dropped), with driver failures injected at any call (a
+//! `cuMemCreate` failure is an out-of-memory) and the device small enough to run out of memory
+//! by itself.
 //! After every step every byte the model knows is checked where the region reads it and in
 //! every weight set the test holds, and the fake reports nothing the real driver would fault on
 //! (a map over a mapped range, a copy to an unmapped address, an unmap under a running copy).
@@ -11,10 +14,10 @@ use std::sync::Arc;
 
 use proptest::prelude::*;
 
-use super::snapshot::WeightSet;
+use super::snapshot::{WeightSet, IMPORTED};
 use super::state::{Fixed, RegionState};
 use super::switch::{SwitchStrategy, Switched};
-use crate::error::RegionError;
+use crate::error::{Error, RegionError, ShareError};
 use crate::fence::FencePolicy;
 use crate::host::HostStorage;
 use crate::ids::next_id;
@@ -39,10 +42,11 @@ enum Op {
     Unbind,
     WakeOnto { pick: usize },
     DropSet { pick: usize },
+    Publish { pick: usize, keep: bool },
     Fail { call: usize, skip: usize },
 }
 
-const CALLS: [Call; 8] = [
+const CALLS: [Call; 10] = [
     Call::Reserve,
     Call::Create,
     Call::Map,
@@ -51,6 +55,8 @@ const CALLS: [Call; 8] = [
     Call::Copy,
     Call::Save,
     Call::Load,
+    Call::Export,
+    Call::Import,
 ];
 
 fn op() -> impl Strategy<Value = Op> {
@@ -67,6 +73,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => Just(Op::Unbind),
         1 => any::<usize>().prop_map(|pick| Op::WakeOnto { pick }),
         1 => any::<usize>().prop_map(|pick| Op::DropSet { pick }),
+        2 => (any::<usize>(), any::<bool>()).prop_map(|(pick, keep)| Op::Publish { pick, keep }),
         2 => (0..CALLS.len(), 0usize..3).prop_map(|(call, skip)| Op::Fail { call, skip }),
     ]
 }
@@ -97,6 +104,9 @@ struct Model {
     asleep: Option<bool>,
     unbound: bool,
     writes: u64,
+    /// Sets another process imported and still holds (their memory lives on without the
+    /// region's handle).
+    imports: Vec<Arc<WeightSet<Fake>>>,
 }
 
 impl Model {
@@ -390,6 +400,55 @@ fn step(
             }
             true
         }
+        Op::Publish { pick, keep } => {
+            let Some(k) = pick_set(pick) else {
+                return Ok(true);
+            };
+            let memory = model.sets[k].handle.memory.clone();
+            let export = match fake.export(&memory) {
+                Ok(export) => {
+                    prop_assert!(memory.shareable(), "memory made without shareable exported");
+                    export
+                }
+                Err(error) => {
+                    if !memory.shareable() {
+                        prop_assert!(
+                            matches!(error, Error::Share(ShareError::NotShareable)),
+                            "exporting a set made without shareable: {error}"
+                        );
+                    }
+                    return Ok(false);
+                }
+            };
+            // The other process: its own handle to the memory, mapped at its own address.
+            let imported = match fake.import(&export) {
+                Ok(memory) => WeightSet::new(next_id(), IMPORTED, fake, memory),
+                Err(_) => return Ok(false),
+            };
+            drop(export);
+            let Ok(home) = imported.home_ptr() else {
+                return Ok(false);
+            };
+            model.writes += 1;
+            let data = pattern(model.writes, imported.bytes());
+            prop_assert!(fake.write(home, &data), "the importer's own mapping faults");
+            // The region reads the new version where the set is mapped under it.
+            if model.replayable() && bound_set(state, model) == Some(k) {
+                for a in &mut model.allocations {
+                    let offset = (a.address - base) as usize;
+                    for (i, b) in a.bytes.iter_mut().enumerate() {
+                        if let Some(&new) = data.get(offset + i) {
+                            *b = Some(new);
+                        }
+                    }
+                }
+            }
+            model.sets[k].bytes = data.iter().map(|&b| Some(b)).collect();
+            if keep {
+                model.imports.push(imported);
+            }
+            true
+        }
         Op::Fail { call, skip } => {
             fake.fail(CALLS[call], skip);
             true
@@ -437,6 +496,7 @@ proptest! {
         state.release_all(&fixed);
         drop(state);
         model.sets.clear();
+        model.imports.clear();
         prop_assert_eq!(fake.violations(), Vec::<String>::new());
         prop_assert_eq!(fake.live_mappings(), 0, "mappings left after the region and its sets dropped");
         prop_assert_eq!(fake.live_chunks(), 0, "memory left after the region and its sets dropped");
@@ -501,5 +561,55 @@ fn a_set_bound_over_a_longer_allocation_in_the_same_granules_reads_its_own_bytes
     assert!(fake.violations().is_empty(), "{:?}", fake.violations());
     state.release_all(&fixed);
     drop((state, set));
+    assert_eq!((fake.live_mappings(), fake.live_chunks()), (0, 0));
+}
+
+/// A publish on the fake driver: a shareable set bound under the region, exported, imported by
+/// another process and rewritten there through its own mapping, is what the region reads; the
+/// imported memory outlives the region's handle; a set made without `shareable` is refused.
+#[test]
+fn a_published_set_rewritten_by_its_importer_is_what_the_region_reads() {
+    let fake = Fake::with_granularity(64 * G, G);
+    let (fixed, mut state) = region(&fake, 64);
+    let at = state.alloc(&fixed, 3 * G).unwrap();
+    assert!(fake.write(at, &pattern(1, 3 * G)));
+    let private = state.snapshot(&fixed, &STREAM, false).unwrap();
+    assert!(matches!(
+        fake.export(&private.memory),
+        Err(Error::Share(ShareError::NotShareable))
+    ));
+    let shared = state.snapshot(&fixed, &STREAM, true).unwrap();
+    state.bind(&fixed, &shared).unwrap();
+    let export = fake.export(&shared.memory).unwrap();
+    let imported = WeightSet::new(next_id(), IMPORTED, &fake, fake.import(&export).unwrap());
+    drop(export);
+    let next = pattern(2, imported.bytes());
+    assert!(fake.write(imported.home_ptr().unwrap(), &next));
+    assert_eq!(
+        fake.read(at, 3 * G).as_deref(),
+        Some(&next[..3 * G]),
+        "the region reads the importer's writes"
+    );
+    // An imported set belongs to no region here: binding it is refused, nothing changes.
+    assert!(state.bind(&fixed, &imported).is_err());
+    assert_eq!(fake.read(at, 3 * G).as_deref(), Some(&next[..3 * G]));
+    state.bind(&fixed, &private).unwrap();
+    assert_eq!(
+        fake.read(at, 3 * G).as_deref(),
+        Some(&pattern(1, 3 * G)[..])
+    );
+    let chunks = fake.live_chunks();
+    drop(shared);
+    assert_eq!(
+        fake.live_chunks(),
+        chunks,
+        "the importer still holds the published memory"
+    );
+    assert_eq!(fake.contents(&imported.memory, 0, 3 * G), &next[..3 * G]);
+    drop(imported);
+    assert_eq!(fake.live_chunks(), chunks - 1);
+    assert!(fake.violations().is_empty(), "{:?}", fake.violations());
+    state.release_all(&fixed);
+    drop((state, private));
     assert_eq!((fake.live_mappings(), fake.live_chunks()), (0, 0));
 }

@@ -10,7 +10,7 @@ use crate::error::Result;
 use crate::vmm_core::{Backend, MappedRange, PhysicalMemory, Vmm};
 
 /// The region id of an imported snapshot: ids start at 1, so no region of this process has it.
-const IMPORTED: u64 = 0;
+pub(super) const IMPORTED: u64 = 0;
 
 /// A weight set on any [`Backend`]: what [`Snapshot`] is on the real driver, and what the
 /// region state machine handles (tests run it on the fake driver).

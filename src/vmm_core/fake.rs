@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex, Weak};
 use cudarc::driver::{sys::CUresult, CudaStream};
 
 use super::backend::{Backend, MappedRange, PhysicalMemory, ReservedRange, Waiter};
-use crate::error::{DriverError, Error, LayoutError, Result};
+use crate::error::{DriverError, Error, LayoutError, Result, ShareError};
 use crate::fence::FencePolicy;
 use crate::host::{HostStorage, Piece, StorageUsed};
 
@@ -35,6 +35,10 @@ pub(crate) enum Call {
     Save,
     /// Host to device (a region's wake).
     Load,
+    /// `cuMemExportToShareableHandle`: a weight set handed to another process.
+    Export,
+    /// `cuMemImportFromShareableHandle`: the other process's side.
+    Import,
 }
 
 /// A mapped range of the fake address space.
@@ -265,6 +269,35 @@ impl Fake {
         chunk.read(offset, bytes)
     }
 
+    /// A descriptor for `memory`, as `cuMemExportToShareableHandle` makes one: refused for
+    /// memory not made exportable, as the real export is (`ShareError::NotShareable`).
+    pub(crate) fn export(&self, memory: &Arc<FakeChunk>) -> Result<FakeExport> {
+        if !memory.shareable {
+            return Err(Error::Share(ShareError::NotShareable));
+        }
+        if self.inner.call(Call::Export) {
+            return Err(Self::driver_error(
+                "cuMemExportToShareableHandle",
+                memory.bytes,
+            ));
+        }
+        Ok(FakeExport {
+            memory: memory.clone(),
+        })
+    }
+
+    /// The memory behind `export`, as another process imports it
+    /// (`cuMemImportFromShareableHandle`): the same bytes, alive while either side holds them.
+    pub(crate) fn import(&self, export: &FakeExport) -> Result<Arc<FakeChunk>> {
+        if self.inner.call(Call::Import) {
+            return Err(Self::driver_error(
+                "cuMemImportFromShareableHandle",
+                export.memory.bytes,
+            ));
+        }
+        Ok(export.memory.clone())
+    }
+
     fn enqueue(&self, stream: &FakeStream, start: u64, bytes: usize) {
         self.inner
             .pending
@@ -280,6 +313,13 @@ impl Fake {
             bytes,
         })
     }
+}
+
+/// An exported descriptor: like a POSIX file descriptor of exported memory, it keeps the
+/// memory importable while it is open.
+#[derive(Debug)]
+pub(crate) struct FakeExport {
+    memory: Arc<FakeChunk>,
 }
 
 #[derive(Clone, Debug)]
@@ -303,12 +343,18 @@ impl ReservedRange for FakeRange {
 pub(crate) struct FakeChunk {
     id: u64,
     bytes: usize,
+    /// Made exportable (`create_memory(_, true)`): only such memory can be exported.
+    shareable: bool,
     /// Made on first touch, so the pool's large chunks cost no host memory.
     data: Mutex<Option<Vec<u8>>>,
     inner: Arc<Inner>,
 }
 
 impl FakeChunk {
+    pub(crate) fn shareable(&self) -> bool {
+        self.shareable
+    }
+
     fn fresh_byte(&self) -> u8 {
         0x80 | (self.id as u8 & 0x7f)
     }
@@ -440,7 +486,7 @@ impl Backend for Fake {
         Ok(FakeRange { base, bytes })
     }
 
-    fn create_memory(&self, bytes: usize, _shareable: bool) -> Result<FakeChunk> {
+    fn create_memory(&self, bytes: usize, shareable: bool) -> Result<FakeChunk> {
         let full = self.created_bytes() + bytes > self.inner.device_bytes;
         if self.inner.call(Call::Create) || full {
             return Err(Error::Driver(DriverError::OutOfMemory {
@@ -457,6 +503,7 @@ impl Backend for Fake {
         Ok(FakeChunk {
             id: self.inner.next_chunk.fetch_add(1, Ordering::SeqCst),
             bytes,
+            shareable,
             data: Mutex::new(None),
             inner: self.inner.clone(),
         })
