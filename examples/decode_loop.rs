@@ -353,7 +353,7 @@ fn print_targets(results: &[BatchResult]) {
         println!(
             "  batch {}: best stablebuf ({best_label}) {:.1} µs/step: {:.2}x faster than (b) \
              copy-in serial, {:.2}x than (c) copy-in pipelined, {:.2}x than (d) re-capture; \
-             (b)/(e1) {:.2}x, (c)/(e1) {:.2}x (PyTorch on this H100: 2.68x, 2.28x)",
+             (b)/(e1) {:.2}x, (c)/(e1) {:.2}x (PyTorch 2.11 measured on an H100: 2.68x, 2.28x)",
             result.batch,
             best,
             us("b") / best,
