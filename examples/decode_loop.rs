@@ -45,22 +45,16 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
-use clap::{Parser, ValueEnum};
+use clap::Parser;
 use decode::loops::{
     describe_nodes, make_sets, median, run_rounds, BatchResult, Checked, LaneSteps, Runner, Setup,
     Variant, INPUT_SEED, SKIP, WINDOW,
 };
-use decode::{fill_input, work, Acts, Raw, Shape, Weights};
+use decode::{fill_input, work, Act, Acts, Raw, Shape, Weights};
 use stablebuf::device::memory_info;
 use stablebuf::kernels::Blas;
-use stablebuf::kernels::{Activation, DecodeKernels};
+use stablebuf::kernels::DecodeKernels;
 use stablebuf::{FencePolicy, Result, Space, SpaceOptions, StableGraph};
-
-#[derive(Clone, Copy, Debug, ValueEnum)]
-enum Act {
-    Gelu,
-    Silu,
-}
 
 /// A memory-bound decode loop with a new weight set every step: stablebuf rebinding vs copy-in
 /// vs re-capture, checked and timed side by side.
@@ -129,10 +123,7 @@ fn run(args: &Args) -> Result<bool> {
         hidden: args.hidden,
         ratio: args.ratio,
         max_batch: *args.batches.iter().max().expect("checked non-empty"),
-        act: match args.act {
-            Act::Gelu => Activation::GeluTanh,
-            Act::Silu => Activation::Silu,
-        },
+        act: args.act.into(),
         ranks: 1,
         rank: 0,
     };

@@ -42,24 +42,18 @@ mod support;
 use std::process::{Command, ExitCode};
 use std::sync::Arc;
 
-use clap::{Parser, ValueEnum};
+use clap::Parser;
 use decode::loops::{
     describe_nodes, make_sets, median, run_rounds, BatchResult, Checked, LaneSteps, Runner, Setup,
     Variant, INPUT_SEED, SKIP, WINDOW,
 };
-use decode::{cpu_forward_row, host_input, AllReduce, HostWeights, Raw, Shape};
+use decode::{cpu_forward_row, host_input, Act, AllReduce, HostWeights, Raw, Shape};
 use stablebuf::collective::{Collective, CollectiveId};
 use stablebuf::cudarc::driver::CudaStream;
 use stablebuf::device::memory_info;
 use stablebuf::error::{DriverError, LayoutError};
-use stablebuf::kernels::{bf16_from_f32, Activation, DecodeKernels};
+use stablebuf::kernels::{bf16_from_f32, DecodeKernels};
 use stablebuf::{open_device, Error, Result, Space};
-
-#[derive(Clone, Copy, Debug, ValueEnum)]
-enum Act {
-    Gelu,
-    Silu,
-}
 
 /// Tensor-parallel decode, one process per GPU, NCCL all-reduces inside the captured graphs: a
 /// new weight set every step by rebinding (serial and pipelined) against no swap, copy-in and
@@ -197,10 +191,7 @@ fn rank_main(rank: usize, args: &Args) -> Result<bool> {
         hidden: args.hidden,
         ratio: args.ratio,
         max_batch: *args.batches.iter().max().expect("checked non-empty"),
-        act: match args.act {
-            Act::Gelu => Activation::GeluTanh,
-            Act::Silu => Activation::Silu,
-        },
+        act: args.act.into(),
         ranks: world,
         rank,
     };

@@ -28,6 +28,22 @@
 
 pub mod loops;
 
+/// The `--act` option of the decode examples: the MLP's activation.
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum Act {
+    Gelu,
+    Silu,
+}
+
+impl From<Act> for Activation {
+    fn from(act: Act) -> Self {
+        match act {
+            Act::Gelu => Activation::GeluTanh,
+            Act::Silu => Activation::Silu,
+        }
+    }
+}
+
 use std::sync::Arc;
 
 use stablebuf::cudarc::driver::{sys, CudaStream};
