@@ -68,10 +68,10 @@ use std::sync::{Arc, OnceLock};
 use comfy_table::{presets::ASCII_MARKDOWN, CellAlignment, Table};
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use stablebuf::cudarc::driver::CudaContext;
+use tracing_subscriber::filter::Targets;
 use tracing_subscriber::layer::{Layer, SubscriberExt};
 use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::util::SubscriberInitExt;
-use tracing_subscriber::EnvFilter;
 
 /// Printed under the error when an example fails before it could open a device.
 pub const NEEDS_GPU: &str =
@@ -148,7 +148,12 @@ pub fn log_layer<S>() -> Box<dyn Layer<S> + Send + Sync>
 where
     S: tracing::Subscriber + for<'a> LookupSpan<'a>,
 {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn"));
+    // RUST_LOG as `target=level` directives ("warn", "stablebuf=debug,info"); unset or not
+    // such a list: warnings only.
+    let filter = std::env::var("RUST_LOG")
+        .ok()
+        .and_then(|value| value.parse::<Targets>().ok())
+        .unwrap_or_else(|| Targets::new().with_default(tracing::Level::WARN));
     tracing_subscriber::fmt::layer()
         .with_writer(|| BarSafeStderr)
         .with_filter(filter)

@@ -7,6 +7,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
+use tracing_subscriber::filter::Targets;
+use tracing_subscriber::layer::SubscriberExt;
+
 use crate::codes::Fail;
 use crate::engine::{Copied, CopyCall, Engine, Freed};
 use crate::env::{self, Config, Mode};
@@ -580,18 +583,19 @@ fn start_logging(filter: Option<&str>) {
     let Some(filter) = filter else {
         return;
     };
-    let filter = tracing_subscriber::EnvFilter::try_new(filter).unwrap_or_else(|error| {
+    let filter = filter.parse::<Targets>().unwrap_or_else(|error| {
         eprintln!(
             "stablebuf-preload: {}={filter:?} is not a filter ({error}); using warn",
             env::LOG
         );
-        tracing_subscriber::EnvFilter::new("warn")
+        Targets::new().with_default(tracing::Level::WARN)
     });
     let subscriber = tracing_subscriber::fmt()
-        .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .with_target(true)
-        .finish();
+        .with_max_level(tracing::Level::TRACE)
+        .finish()
+        .with(filter);
     // A host program with its own global subscriber keeps it.
     let _ = tracing::subscriber::set_global_default(subscriber);
 }

@@ -19,13 +19,26 @@ pub struct Gpu {
     pub kernels: Arc<Kernels>,
 }
 
+/// Test output through libtest's capture, filtered by RUST_LOG as `target=level` directives
+/// ("stablebuf=debug", "trace"); unset: nothing.
+fn init_test_logging() {
+    use tracing_subscriber::filter::{LevelFilter, Targets};
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    let filter = std::env::var("RUST_LOG")
+        .ok()
+        .and_then(|value| value.parse::<Targets>().ok())
+        .unwrap_or_else(|| Targets::new().with_default(LevelFilter::OFF));
+    let _ = tracing_subscriber::registry()
+        .with(tracing_subscriber::fmt::layer().with_test_writer())
+        .with(filter)
+        .try_init();
+}
+
 /// Device 0, a fresh stream and the kernels. GPU tests are `#[ignore]`d, so this only runs when
 /// asked for with `--include-ignored`; without a GPU that is a failure, with this message.
 pub fn gpu() -> Gpu {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_test_writer()
-        .try_init();
+    init_test_logging();
     let ctx = open_device(0).expect("this test needs a CUDA GPU and driver");
     let stream = ctx.new_stream().expect("new stream");
     let kernels = Arc::new(Kernels::load(&ctx).expect("load kernels"));
