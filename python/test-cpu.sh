@@ -7,7 +7,7 @@
 # WHEEL: test this wheel. Without one:
 # --test-build (what scripts/test uses, after `cargo test --workspace`): the package as the
 #   pure-Python folder python/stablebuf plus the extension `cargo test` already built
-#   (target/debug/libstablebuf_py.so). A wheel's build compiles stablebuf and the extension again
+#   (target/debug/deps/libstablebuf_py.so). A wheel's build compiles stablebuf and the extension again
 #   with other features (maturin builds the extension crate alone), which on CI's two cores cost
 #   ten minutes for the same code. That extension links libpython, as every `cargo test` build
 #   of a PyO3 crate does; loaded into the python that owns that libpython it resolves to the
@@ -38,14 +38,17 @@ links_this_python() {
 }
 
 if [ "$mode" = test-build ] && [ -z "$wheel" ]; then
-  extension="$root/target/debug/libstablebuf_py.so"
+  # cargo test leaves the library's cdylib in deps/ (only `cargo build` and maturin copy it up to
+  # target/debug/, where an older build's copy may linger).
+  extension="${CARGO_TARGET_DIR:-$root/target}/debug/deps/libstablebuf_py.so"
   if [ -f "$extension" ] && links_this_python "$extension"; then
     cp -r "$root/python/stablebuf" "$site/stablebuf"
     rm -rf "$site/stablebuf/__pycache__"
     cp "$extension" "$site/stablebuf/_native.abi3.so"
     echo "test-cpu: the package from python/stablebuf and $extension (the tests' build)"
   else
-    echo "test-cpu: $extension is missing or needs another libpython than python3's; building the wheel" >&2
+    if [ -f "$extension" ]; then why="needs another libpython than python3's"; else why="is missing"; fi
+    echo "test-cpu: $extension $why; building the wheel instead (minutes)" >&2
     mode=dev
   fi
 fi

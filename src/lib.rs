@@ -157,6 +157,8 @@ pub mod share;
 pub mod sleep;
 mod space;
 mod strategy;
+#[cfg(test)]
+mod testing;
 mod view;
 mod vmm_core;
 

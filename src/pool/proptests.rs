@@ -189,7 +189,7 @@ fn check(book: &ChunkBook, live: &Live) -> Result<(), TestCaseError> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(256))]
+    #![proptest_config(crate::testing::proptest_config(256))]
 
     #[test]
     fn chunk_accounting_holds_under_random_traffic(
@@ -445,7 +445,7 @@ mod against_a_fake_driver {
     proptest! {
         // Long sequences (up to 400 steps) reach the states short ones never do: caches
         // fragmented by many frees, tenants churned while others hold stitched blocks.
-        #![proptest_config(ProptestConfig::with_cases(256))]
+        #![proptest_config(crate::testing::proptest_config(256))]
 
         #[test]
         fn the_pool_stays_consistent_under_random_traffic_and_injected_failures(

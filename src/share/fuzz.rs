@@ -24,9 +24,8 @@ const STREAM_CASES: u32 = 2_000;
 
 fn runner(cases: u32) -> TestRunner {
     TestRunner::new(Config {
-        cases,
         failure_persistence: None,
-        ..Config::default()
+        ..crate::testing::proptest_config(cases)
     })
 }
 

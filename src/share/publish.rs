@@ -486,6 +486,8 @@ mod tests {
     }
 
     proptest::proptest! {
+        #![proptest_config(crate::testing::proptest_config(256))]
+
         /// Any bytes after a valid header decode to a message or a typed error, never a panic;
         /// whatever decodes re-encodes to the same bytes.
         #[test]
