@@ -6,10 +6,14 @@
 //! 1.5× the floor (the target is 1.1×; the margin absorbs a noisy machine).
 
 mod common;
+// The driver-call profiler the examples use (its `summary` is theirs).
+#[allow(dead_code)]
+#[path = "../examples/support/calls.rs"]
+mod calls;
 
-use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
+use calls::profile;
 use common::{gpu, Gpu};
 use stablebuf::cudarc::driver::sys;
 use stablebuf::vmm::{granularity, Mapping, Physical, Reservation};
@@ -177,63 +181,6 @@ fn a_many_slot_bind_costs_what_the_driver_costs_for_the_same_bytes() {
         worst <= 1.5,
         "a many-slot bind cost {worst:.2}x the driver floor"
     );
-}
-
-/// Driver calls made while `f` ran: `(call, count, total µs)`, from the debug events of
-/// stablebuf's driver layer.
-fn profile<T>(f: impl FnOnce() -> T) -> (T, Vec<(String, u64, f64)>) {
-    use tracing_subscriber::layer::SubscriberExt;
-    let calls = Arc::new(Mutex::new(BTreeMap::<String, (u64, f64)>::new()));
-    let subscriber = tracing_subscriber::registry().with(CallTimes(calls.clone()));
-    let value = tracing::subscriber::with_default(subscriber, f);
-    let calls = calls
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|(call, &(count, micros))| (call.clone(), count, micros))
-        .collect();
-    (value, calls)
-}
-
-struct CallTimes(Arc<Mutex<BTreeMap<String, (u64, f64)>>>);
-
-#[derive(Default)]
-struct CallFields {
-    call: Option<String>,
-    micros: Option<f64>,
-}
-
-impl tracing::field::Visit for CallFields {
-    fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
-        if field.name() == "call" {
-            self.call = Some(value.to_string());
-        }
-    }
-
-    fn record_f64(&mut self, field: &tracing::field::Field, value: f64) {
-        if field.name() == "micros" {
-            self.micros = Some(value);
-        }
-    }
-
-    fn record_debug(&mut self, _field: &tracing::field::Field, _value: &dyn std::fmt::Debug) {}
-}
-
-impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for CallTimes {
-    fn on_event(
-        &self,
-        event: &tracing::Event<'_>,
-        _ctx: tracing_subscriber::layer::Context<'_, S>,
-    ) {
-        let mut fields = CallFields::default();
-        event.record(&mut fields);
-        if let (Some(call), Some(micros)) = (fields.call, fields.micros) {
-            let mut calls = self.0.lock().unwrap();
-            let entry = calls.entry(call).or_default();
-            entry.0 += 1;
-            entry.1 += micros;
-        }
-    }
 }
 
 /// Issue 31's first row: a bind right after a large space was dropped. A group of 64 slots ×

@@ -10,6 +10,10 @@
 //! so no variant always runs right after the same other one.
 #![allow(dead_code)]
 
+// The driver-call profiler the examples use (examples/support/calls.rs), one copy for all.
+#[path = "../../examples/support/calls.rs"]
+mod calls;
+
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -388,22 +392,11 @@ pub fn human_bytes(bytes: usize) -> String {
     }
 }
 
-/// Driver calls made while `f` ran on this thread: `(call, count, total µs)`, from the debug
-/// events stablebuf's driver layer emits for every call (`driver::traced`). Collecting them costs
-/// a little per call, so profile in a separate pass, never inside timed rounds.
-pub fn profile<T>(f: impl FnOnce() -> T) -> (T, Vec<(String, u64, f64)>) {
-    use tracing_subscriber::layer::SubscriberExt;
-    let calls = Arc::new(Mutex::new(BTreeMap::<String, (u64, f64)>::new()));
-    let subscriber = tracing_subscriber::registry().with(CallTimes(calls.clone()));
-    let value = tracing::subscriber::with_default(subscriber, f);
-    let calls = calls
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|(call, &(count, micros))| (call.clone(), count, micros))
-        .collect();
-    (value, calls)
-}
+/// Driver calls made while `f` ran on this thread: `(call, count, total µs)` (the examples'
+/// profiler). Collecting them costs a little per call, so profile in a separate pass, never
+/// inside timed rounds.
+#[allow(unused_imports)] // not every bench profiles
+pub use calls::profile;
 
 /// Prints a profile as `call ×count total µs` pieces on one line.
 pub fn print_profile(label: &str, calls: &[(String, u64, f64)]) {
@@ -420,45 +413,4 @@ pub fn call_micros(calls: &[(String, u64, f64)], call: &str) -> (u64, f64) {
         .iter()
         .find(|(c, _, _)| c == call)
         .map_or((0, 0.0), |&(_, n, us)| (n, us))
-}
-
-struct CallTimes(Arc<Mutex<BTreeMap<String, (u64, f64)>>>);
-
-#[derive(Default)]
-struct CallFields {
-    call: Option<String>,
-    micros: Option<f64>,
-}
-
-impl tracing::field::Visit for CallFields {
-    fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
-        if field.name() == "call" {
-            self.call = Some(value.to_string());
-        }
-    }
-
-    fn record_f64(&mut self, field: &tracing::field::Field, value: f64) {
-        if field.name() == "micros" {
-            self.micros = Some(value);
-        }
-    }
-
-    fn record_debug(&mut self, _field: &tracing::field::Field, _value: &dyn std::fmt::Debug) {}
-}
-
-impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for CallTimes {
-    fn on_event(
-        &self,
-        event: &tracing::Event<'_>,
-        _ctx: tracing_subscriber::layer::Context<'_, S>,
-    ) {
-        let mut fields = CallFields::default();
-        event.record(&mut fields);
-        if let (Some(call), Some(micros)) = (fields.call, fields.micros) {
-            let mut calls = self.0.lock().unwrap();
-            let entry = calls.entry(call).or_default();
-            entry.0 += 1;
-            entry.1 += micros;
-        }
-    }
 }
