@@ -2,6 +2,12 @@
 # The Python package's GPU suite, on the GPU machine (no Rust toolchain, no network needed):
 #
 #   python/run-gpu.sh <stablebuf wheel> [<folder of extra wheels, e.g. torch_memory_saver>]
+#   python/run-gpu.sh --multi <stablebuf wheel>
+#
+# --multi (scripts/gpu-session runs it with every GPU visible): only the tests that need several
+# GPUs (test_two_gpus.py, test_tp_decode.py at 2 and 4 ranks, test_tp_publish.py where it
+# exists, and the publish test from GPU 0 to GPU 1); a skipped test is a failed run here. Ends
+# with `python distributed suite: N passed, M failed`.
 #
 # Installs the wheels into /tmp/site (pip --no-index --no-deps --target), then runs, with
 # timings: the capture probe, pytest (CPU and GPU tests), examples/weight_swap.py,
@@ -14,9 +20,14 @@
 # without transformers), test_guard_cpu.py, test_publish.py, test_random.py and
 # test_two_gpus.py (regions on two GPUs; skips, with the reason, on one GPU).
 set -uo pipefail
+multi=0
+if [ "${1:-}" = --multi ]; then
+  multi=1
+  shift
+fi
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(dirname "$here")"
-wheel="${1:?usage: python/run-gpu.sh <stablebuf wheel> [<extra wheel folder>]}"
+wheel="${1:?usage: python/run-gpu.sh [--multi] <stablebuf wheel> [<extra wheel folder>]}"
 extra="${2:-}"
 logs="${OUT:-/tmp/stablebuf-python-logs}"
 mkdir -p "$logs"
@@ -71,10 +82,17 @@ count() { # name, status
   if [ "$2" -eq 0 ]; then passed=$((passed + 1)); else failed=$((failed + 1)); failures+=("$1"); fi
 }
 
-step "capture probe" probe.log "$python" python/tests/probe_capture.py
-count "capture probe" $?
+if [ "$multi" = 1 ]; then
+  tests=(python/tests/test_two_gpus.py python/tests/test_tp_decode.py)
+  [ -f python/tests/test_tp_publish.py ] && tests+=(python/tests/test_tp_publish.py)
+  tests+=(python/tests/test_publish.py::test_a_trainer_on_gpu0_publishes_into_an_engine_on_gpu1_over_peer_access)
+else
+  step "capture probe" probe.log "$python" python/tests/probe_capture.py
+  count "capture probe" $?
+  tests=(python/tests)
+fi
 
-step "pytest" pytest.log "$python" -m pytest -v -rs -p no:cacheprovider python/tests
+step "pytest" pytest.log "$python" -m pytest -v -rs -p no:cacheprovider "${tests[@]}"
 status=$?
 summary=$(grep -E '^=+ .*(passed|failed|error).* in [0-9.]+s' "$logs/pytest.log" | tail -1)
 number_of() { echo "$summary" | grep -oE "[0-9]+ $1" | grep -oE '^[0-9]+' | head -1; }
@@ -94,8 +112,29 @@ if [ "${gpu_skipped:-0}" -gt 0 ]; then
   # This script is for the GPU machine: a skipped GPU test is a failed run.
   failed=$((failed + 1))
   failures+=("pytest skipped GPU tests (see the reasons above)")
+elif [ "${tests_skipped:-0}" -gt 0 ] && [ "$multi" = 1 ]; then
+  # The several-GPU tests are all this run is for. One that needs more GPUs than this machine
+  # has did not run here (said, not failed); any other skip is a failed run.
+  more_gpus=$(grep -cE '^SKIPPED .*needs ([0-9]+|two|three|four) (CUDA )?GPUs' "$logs/pytest.log" || true)
+  if [ "${more_gpus:-0}" -gt 0 ]; then
+    echo "run-gpu: $more_gpus tests need more GPUs than this machine has: not run here"
+  fi
+  if [ "$tests_skipped" -gt "${more_gpus:-0}" ]; then
+    failed=$((failed + 1))
+    failures+=("pytest skipped $((tests_skipped - ${more_gpus:-0})) several-GPU tests (see the reasons above)")
+  fi
 elif [ "${tests_skipped:-0}" -gt 0 ]; then
   echo "run-gpu: note: $tests_skipped tests skipped (see the reasons above)"
+fi
+
+if [ "$multi" = 1 ]; then
+  {
+    echo "run-gpu: finished in $(($(date +%s) - suite_start)) s"
+    if [ ${#failures[@]} -gt 0 ]; then printf 'run-gpu: failed: %s\n' "${failures[@]}"; fi
+    echo "python distributed suite: $passed passed, $failed failed"
+  } | tee "$logs/summary.txt"
+  [ "$failed" -eq 0 ]
+  exit
 fi
 
 step "examples/weight_swap.py" weight_swap.log "$python" python/examples/weight_swap.py
