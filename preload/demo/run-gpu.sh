@@ -14,13 +14,16 @@
 #   seed-*        resize and fragmentation: without the layer, monitor, vmm, vmm + copy elision,
 #                 and the fragmentation request in vmm without stitching or drain; one table
 #   catch-*       every allocation path the layer claims to catch, and its error paths
+#   conformance-* every pointer query and hand-built graph call on every kind of the layer's
+#                 allocations (pointer_conformance.cu): without the layer, monitor, vmm, vmm +
+#                 copy elision; the outputs must be equal but for pointer_conformance.allowed
 #   elision-*     copy elision against no layer: every interleaving between the copy and the
 #                 free (elision_interleavings.cu, legacy and per-thread default stream builds),
 #                 then seeded random multi-threaded programs; every buffer's hash must match
 #   torch-*       CUDA graph + pause/resume of the weights' tag; training with and without it
 #   tms-compare   pause/resume against torch_memory_saver
 # Ends with "preload GPU demos: N passed, M failed"; exit status 1 if any step failed.
-# ONLY="seed catch elision torch tms" (any of them) runs only those groups (scripts/perf-check
+# ONLY="seed catch conformance elision torch tms" (any of them) runs only those groups (scripts/perf-check
 # runs ONLY=seed for the resize ratio).
 
 set -u -o pipefail
@@ -46,7 +49,7 @@ PASSED=0
 FAILED=0
 FAILED_STEPS=""
 STARTED=$(date +%s)
-ONLY=${ONLY:-seed catch elision torch tms}
+ONLY=${ONLY:-seed catch conformance elision torch tms}
 # wants GROUP: whether ONLY names the group.
 wants() { case " $ONLY " in *" $1 "*) return 0 ;; esac; return 1; }
 
@@ -179,6 +182,27 @@ if [ $BUILT -eq 1 ] && wants catch; then
     step catch-vmm-elision 60 "${layer[@]}" STABLEBUF_PRELOAD_MODE=vmm STABLEBUF_PRELOAD_ELIDE_COPIES=1 "$SEED" catch
 fi
 
+# ---- pointer conformance: the layer answers as CUDA does ------------------------------------
+CONFORMANCE="$OUTDIR/pointer_conformance"
+build_conformance() {
+    local common=(-O2 -std=c++17 -cudart shared -arch=sm_90 "$DEMO/pointer_conformance.cu"
+        -o "$CONFORMANCE" -ldl)
+    "$NVCC" "${common[@]}" -lcuda ||
+        "$NVCC" "${common[@]}" -L"$CUDA_HOME/lib64/stubs" -lcuda
+}
+export CONFORMANCE
+export -f build_conformance
+if wants conformance && step conformance-build 180 build_conformance; then
+    step conformance-none 120 "${seed[@]}" "$CONFORMANCE"
+    step conformance-monitor 120 "${layer[@]}" STABLEBUF_PRELOAD_MODE=monitor "$CONFORMANCE"
+    step conformance-vmm 120 "${layer[@]}" STABLEBUF_PRELOAD_MODE=vmm "$CONFORMANCE"
+    step conformance-vmm-elision 120 "${layer[@]}" STABLEBUF_PRELOAD_MODE=vmm \
+        STABLEBUF_PRELOAD_ELIDE_COPIES=1 "$CONFORMANCE"
+    step conformance 30 python3 "$DEMO/conformance_diff.py" "$DEMO/pointer_conformance.allowed" \
+        "$OUTDIR/conformance-none.log" monitor="$OUTDIR/conformance-monitor.log" \
+        vmm="$OUTDIR/conformance-vmm.log" vmm+elide="$OUTDIR/conformance-vmm-elision.log"
+fi
+
 # ---- copy elision: every interleaving, then random programs -------------------------------
 elide=(env LD_LIBRARY_PATH="$SEED_LIBS" LD_PRELOAD="$LIB" STABLEBUF_PRELOAD_MODE=vmm
     STABLEBUF_PRELOAD_ELIDE_COPIES=1 STABLEBUF_PRELOAD_ELIDE_MIN=1M)
@@ -240,7 +264,7 @@ for report in seed-report tms-compare; do
         grep -vE "^(---|    exit)" "$OUTDIR/$report.log" | grep -E "^\||TARGET|FAILED|GiB" | cut -c1-300
     fi
 done
-for log in catch-none catch-monitor catch-vmm catch-vmm-elision elision-legacy elision-per-thread elision-random torch-graph-pause torch-train-compare; do
+for log in catch-none catch-monitor catch-vmm catch-vmm-elision conformance elision-legacy elision-per-thread elision-random torch-graph-pause torch-train-compare; do
     [ -f "$OUTDIR/$log.log" ] && grep -hE "^RESULT" "$OUTDIR/$log.log" | cut -c1-300 | sed "s/^/$log: /"
 done
 echo "timelines: $(ls "$OUTDIR"/*.svg 2>/dev/null | tr '\n' ' ')"

@@ -17,6 +17,7 @@ use stablebuf::pool::Event;
 use crate::codes::Fail;
 use crate::device::{Device, PoolView, Transfer};
 use crate::elide::{Alloc, CopyDecision, CopyRequest, Elider, FreeDecision, PendingCopy};
+use crate::query::Allocation;
 use crate::stats::Counters;
 use crate::table::{Lookup, OwnershipTable};
 use crate::tags::TagBook;
@@ -355,6 +356,31 @@ impl<D: Device> Engine<D> {
     /// Whether `address` lies in memory the layer owns.
     pub fn owns(&self, address: u64) -> bool {
         lock(&self.state).table.containing(address).is_some()
+    }
+
+    /// The allocation `address` lies in, for a query about the pointer (its range, its
+    /// attributes, a graph node built on it by hand), with the memory there: a query is a
+    /// flush point, so a held allocation is mapped and deferred copies are performed first,
+    /// and what the driver is then asked sees what CUDA shows for `cudaMalloc` memory.
+    /// `None`: not the layer's pointer (ask the driver). A failed flush is the error.
+    pub fn settle(&self, address: u64) -> Result<Option<Allocation>, Fail> {
+        let mut state = lock(&self.state);
+        let Some((start, bytes)) = state.table.containing(address) else {
+            return Ok(None);
+        };
+        let device = match state.table.get(start).map(|e| &e.payload) {
+            Some(Owner::Pool { device, .. } | Owner::Tag { device, .. }) => *device,
+            None => return Ok(None),
+        };
+        self.epoch.fetch_add(1, Ordering::SeqCst);
+        if self.work_pending() {
+            self.flush_locked(&mut state)?;
+        }
+        Ok(Some(Allocation {
+            start,
+            bytes,
+            device,
+        }))
     }
 
     /// Bumps the epoch: nothing allocated before now is fresh any more. The hot path of every
@@ -1088,6 +1114,89 @@ mod tests {
         let (plain, devices, _) = self::engine(false);
         let a = plain.alloc(0, GIB, None).unwrap();
         assert_eq!(lock(&devices)[0].log(), vec![format!("alloc {a:#x} {GIB}")]);
+    }
+
+    #[test]
+    fn a_pointer_query_sees_the_whole_allocation_mapped() {
+        let (engine, devices, _) = engine(true);
+        let held = engine.alloc(0, GIB + 1000, None).unwrap();
+        let other = engine.alloc(0, GIB, None).unwrap();
+        // A pointer inside: the allocation's start and the size asked for, on its device.
+        assert_eq!(
+            engine.settle(held + 4096),
+            Ok(Some(Allocation {
+                start: held,
+                bytes: GIB + 1000,
+                device: 0,
+            }))
+        );
+        // Mapped before the driver is asked anything about it (the query is a flush point).
+        let log = lock(&devices)[0].log();
+        assert!(log.contains(&format!("map_held {held:#x}")), "{log:?}");
+        assert!(
+            !engine.touch(),
+            "nothing is held once a query has been answered"
+        );
+        // The last byte is in it, the byte after it is the next allocation's or no one's.
+        assert_eq!(
+            engine
+                .settle(held + GIB as u64 + 999)
+                .unwrap()
+                .map(|a| a.start),
+            Some(held)
+        );
+        assert_ne!(
+            engine
+                .settle(held + GIB as u64 + 1000)
+                .unwrap()
+                .map(|a| a.start),
+            Some(held)
+        );
+        assert_eq!(engine.settle(other).unwrap().map(|a| a.bytes), Some(GIB));
+    }
+
+    #[test]
+    fn a_foreign_pointer_query_touches_nothing() {
+        let (engine, devices, _) = engine(true);
+        let held = engine.alloc(0, GIB, None).unwrap();
+        let before = lock(&devices)[0].log();
+        assert_eq!(engine.settle(0x1000), Ok(None));
+        assert_eq!(lock(&devices)[0].log(), before);
+        assert!(engine.touch(), "the layer's held allocation is still held");
+        let _ = held;
+    }
+
+    #[test]
+    fn a_query_on_a_copys_destination_performs_the_copy_first() {
+        let (engine, devices, _) = engine(true);
+        let a = engine.alloc(0, 3 * GIB / 2, None).unwrap();
+        flush_point(&engine);
+        let b = engine.alloc(0, 3 * GIB, None).unwrap();
+        assert_eq!(engine.copy(d2d(b, a, 3 * GIB / 2)), Ok(Copied::Deferred));
+        assert_eq!(engine.settle(b).unwrap().map(|x| x.start), Some(b));
+        let log = lock(&devices)[0].log();
+        assert!(
+            log.iter().any(|line| line.starts_with("copy ")),
+            "the deferred copy was not performed: {log:?}"
+        );
+        // The source's free is a plain free now, not a graft.
+        engine.free(a).unwrap();
+        assert!(!engine.touch());
+    }
+
+    #[test]
+    fn tagged_allocations_answer_their_region_range() {
+        let (engine, _, _) = engine(false);
+        let tag = engine.register_tag("weights");
+        let a = engine.alloc(0, 5 * MIB, Some(tag)).unwrap();
+        assert_eq!(
+            engine.settle(a + 17),
+            Ok(Some(Allocation {
+                start: a,
+                bytes: 5 * MIB,
+                device: 0,
+            }))
+        );
     }
 
     #[test]

@@ -40,11 +40,36 @@ const fn v(base: &'static str, hooked: &'static str, since: i32, stream_ordered:
     }
 }
 
-/// The hooked driver memory functions by base name (the flush points are matched by address).
+/// The hooked driver memory and pointer-query functions by base name (the flush points are
+/// matched by address).
 pub const VARIANTS: &[Variant] = &[
     v("cuMemAlloc", "cuMemAlloc_v2", 3020, false),
     v("cuMemFree", "cuMemFree_v2", 3020, false),
     v("cuMemGetInfo", "cuMemGetInfo_v2", 3020, false),
+    v(
+        "cuMemGetAddressRange",
+        "cuMemGetAddressRange_v2",
+        3020,
+        false,
+    ),
+    v(
+        "cuPointerGetAttribute",
+        "cuPointerGetAttribute",
+        4000,
+        false,
+    ),
+    v(
+        "cuPointerGetAttributes",
+        "cuPointerGetAttributes",
+        7000,
+        false,
+    ),
+    v(
+        "cuMemRetainAllocationHandle",
+        "cuMemRetainAllocationHandle",
+        11000,
+        false,
+    ),
     Variant {
         base: "cuGetProcAddress",
         hooked: "cuGetProcAddress",

@@ -18,6 +18,7 @@ use crate::codes::{abi, cu, cuda, Fail};
 use crate::engine::{Copied, CopyCall, Freed};
 use crate::entry;
 use crate::layer::{self, Api, Inside, Route};
+use crate::query::{self, Allocation, Answer};
 use crate::real::{self, DevicePtr, Dim3, Event, Extent, PitchedPtr, Stream};
 use crate::stats::{bytes_to_write, Counters, StablebufStats};
 use crate::tags;
@@ -300,6 +301,185 @@ pub unsafe extern "C" fn cudaIpcGetMemHandle(handle: *mut c_void, ptr: *mut c_vo
         }
         // SAFETY: the caller's arguments, passed on unchanged.
         unsafe { real(handle, ptr) }
+    })
+}
+
+// ---- pointer queries ---------------------------------------------------------------------
+
+/// The layer's allocation that `address` lies in, made ready for a query (mapped, deferred
+/// copies performed): vmm only. `Ok(None)` for anyone else's pointer, in another mode, and for
+/// calls the layer makes itself.
+fn settled(call: &'static str, address: u64) -> Result<Option<Allocation>, Fail> {
+    let Some(_inside) = Inside::enter() else {
+        return Ok(None);
+    };
+    let Route::Vmm(layer, engine) = layer::route() else {
+        return Ok(None);
+    };
+    layer.settle(engine, call, address)
+}
+
+/// `cuMemGetAddressRange`: for the layer's memory, the whole allocation (start, size asked
+/// for), however many mappings serve it; for any other pointer the driver's answer.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemGetAddressRange_v2(
+    base: *mut DevicePtr,
+    size: *mut usize,
+    ptr: DevicePtr,
+) -> c_int {
+    guarded("cuMemGetAddressRange_v2", cu::UNKNOWN, || {
+        let real = real_driver!(cuMemGetAddressRange_v2);
+        match settled("cuMemGetAddressRange_v2", ptr) {
+            Ok(Some(allocation)) => {
+                // SAFETY: the caller's out-pointers, each NULL (not wanted, as cuda.h allows)
+                // or pointing at a CUdeviceptr / size_t.
+                unsafe {
+                    if !base.is_null() {
+                        *base = allocation.start;
+                    }
+                    if !size.is_null() {
+                        *size = allocation.bytes;
+                    }
+                }
+                cu::SUCCESS
+            }
+            // SAFETY: the caller's arguments, passed on unchanged.
+            Ok(None) => unsafe { real(base, size, ptr) },
+            Err(fail) => fail.driver_code(),
+        }
+    })
+}
+
+/// One attribute of a pointer into the layer's memory ([`query::answer`]), written to `data`.
+///
+/// # Safety
+/// `data` is NULL or points at storage for `attribute`'s value, as `cuPointerGetAttribute`
+/// requires.
+unsafe fn answer_attribute(
+    real: unsafe extern "C" fn(*mut c_void, c_int, DevicePtr) -> c_int,
+    data: *mut c_void,
+    attribute: c_int,
+    ptr: DevicePtr,
+    allocation: &Allocation,
+) -> c_int {
+    match query::answer(attribute, allocation) {
+        Answer::Value(value) => {
+            if data.is_null() {
+                return cu::INVALID_VALUE;
+            }
+            // SAFETY: every attribute answered with a value is a CUdeviceptr, size_t or
+            // pointer: 8 bytes on the 64-bit platforms the layer builds for. The caller's
+            // storage need not be aligned.
+            unsafe { (data as *mut u64).write_unaligned(value) };
+            cu::SUCCESS
+        }
+        // SAFETY: the caller's storage, and an address inside the same allocation.
+        Answer::AskAt(start) => unsafe { real(data, attribute, start) },
+        // SAFETY: the caller's arguments, passed on unchanged.
+        Answer::PassThrough => unsafe { real(data, attribute, ptr) },
+    }
+}
+
+/// `cuPointerGetAttribute`: the range attributes of the layer's memory describe the whole
+/// allocation, its identifiers are the same for every pointer into it (see [`query`]).
+#[no_mangle]
+pub unsafe extern "C" fn cuPointerGetAttribute(
+    data: *mut c_void,
+    attribute: c_int,
+    ptr: DevicePtr,
+) -> c_int {
+    guarded("cuPointerGetAttribute", cu::UNKNOWN, || {
+        let real = real_driver!(cuPointerGetAttribute);
+        match settled("cuPointerGetAttribute", ptr) {
+            // SAFETY: the caller's arguments.
+            Ok(Some(allocation)) => unsafe {
+                answer_attribute(real, data, attribute, ptr, &allocation)
+            },
+            // SAFETY: the caller's arguments, passed on unchanged.
+            Ok(None) => unsafe { real(data, attribute, ptr) },
+            Err(fail) => fail.driver_code(),
+        }
+    })
+}
+
+/// `cuPointerGetAttributes`: each attribute as [`cuPointerGetAttribute`] answers it. CUDA
+/// answers every attribute of a pointer it does not know with a neutral value instead of
+/// failing; for the layer's memory the driver knows the pointer, so each one succeeds or the
+/// call fails as a whole, as it would.
+#[no_mangle]
+pub unsafe extern "C" fn cuPointerGetAttributes(
+    count: c_uint,
+    attributes: *mut c_int,
+    data: *mut *mut c_void,
+    ptr: DevicePtr,
+) -> c_int {
+    guarded("cuPointerGetAttributes", cu::UNKNOWN, || {
+        let real = real_driver!(cuPointerGetAttributes);
+        let allocation = match settled("cuPointerGetAttributes", ptr) {
+            Ok(Some(allocation)) => allocation,
+            // SAFETY: the caller's arguments, passed on unchanged.
+            Ok(None) => return unsafe { real(count, attributes, data, ptr) },
+            Err(fail) => return fail.driver_code(),
+        };
+        let single = real_driver!(cuPointerGetAttribute);
+        if count > 0 && (attributes.is_null() || data.is_null()) {
+            return cu::INVALID_VALUE;
+        }
+        for i in 0..count as usize {
+            // SAFETY: `attributes` and `data` hold `count` entries each (cuda.h).
+            let (attribute, slot) = unsafe { (*attributes.add(i), *data.add(i)) };
+            // SAFETY: the caller's storage for this attribute.
+            let code = unsafe { answer_attribute(single, slot, attribute, ptr, &allocation) };
+            if code != cu::SUCCESS {
+                return code;
+            }
+        }
+        cu::SUCCESS
+    })
+}
+
+/// `cuMemRetainAllocationHandle`: refused for the layer's memory with CUDA's answer for
+/// `cudaMalloc` memory ([`query::RETAIN_REFUSED`] says why, once on stderr).
+#[no_mangle]
+pub unsafe extern "C" fn cuMemRetainAllocationHandle(handle: *mut u64, addr: *mut c_void) -> c_int {
+    guarded("cuMemRetainAllocationHandle", cu::UNKNOWN, || {
+        let real = real_driver!(cuMemRetainAllocationHandle);
+        match settled("cuMemRetainAllocationHandle", addr as u64) {
+            Ok(Some(allocation)) => {
+                layer::notice_once(
+                    "retain",
+                    &format!(
+                        "stablebuf-preload: cuMemRetainAllocationHandle({:#x}) refused with \
+                         CUDA_ERROR_INVALID_VALUE: {} (allocation at {:#x}, {} bytes)",
+                        addr as u64,
+                        query::RETAIN_REFUSED,
+                        allocation.start,
+                        allocation.bytes
+                    ),
+                );
+                cu::INVALID_VALUE
+            }
+            // SAFETY: the caller's arguments, passed on unchanged.
+            Ok(None) => unsafe { real(handle, addr) },
+            Err(fail) => fail.driver_code(),
+        }
+    })
+}
+
+/// `cudaPointerGetAttributes`: the layer's memory is made ready first (a held allocation is
+/// mapped), so the runtime, which asks the driver itself, describes device memory.
+#[no_mangle]
+pub unsafe extern "C" fn cudaPointerGetAttributes(
+    attributes: *mut c_void,
+    ptr: *const c_void,
+) -> c_int {
+    guarded("cudaPointerGetAttributes", cuda::UNKNOWN, || {
+        let real = real_runtime!(cudaPointerGetAttributes);
+        if let Err(fail) = settled("cudaPointerGetAttributes", ptr as u64) {
+            return fail.runtime_code();
+        }
+        // SAFETY: the caller's arguments, passed on unchanged.
+        unsafe { real(attributes, ptr) }
     })
 }
 
@@ -823,6 +1003,19 @@ macro_rules! flush_hooks {
 }
 
 flush_hooks! {
+    runtime fn cudaGraphAddMemsetNode(node: *mut c_void, graph: *mut c_void, dependencies: *const c_void, count: usize, params: *const c_void);
+    runtime fn cudaGraphAddMemcpyNode(node: *mut c_void, graph: *mut c_void, dependencies: *const c_void, count: usize, params: *const c_void);
+    runtime fn cudaGraphAddMemcpyNode1D(node: *mut c_void, graph: *mut c_void, dependencies: *const c_void, count: usize, dst: *mut c_void, src: *const c_void, bytes: usize, kind: c_int);
+    runtime fn cudaGraphAddKernelNode(node: *mut c_void, graph: *mut c_void, dependencies: *const c_void, count: usize, params: *const c_void);
+    runtime fn cudaGraphMemsetNodeSetParams(node: *mut c_void, params: *const c_void);
+    runtime fn cudaGraphMemcpyNodeSetParams(node: *mut c_void, params: *const c_void);
+    runtime fn cudaGraphMemcpyNodeSetParams1D(node: *mut c_void, dst: *mut c_void, src: *const c_void, bytes: usize, kind: c_int);
+    runtime fn cudaGraphKernelNodeSetParams(node: *mut c_void, params: *const c_void);
+    runtime fn cudaGraphExecMemsetNodeSetParams(exec: *mut c_void, node: *mut c_void, params: *const c_void);
+    runtime fn cudaGraphExecMemcpyNodeSetParams(exec: *mut c_void, node: *mut c_void, params: *const c_void);
+    runtime fn cudaGraphExecMemcpyNodeSetParams1D(exec: *mut c_void, node: *mut c_void, dst: *mut c_void, src: *const c_void, bytes: usize, kind: c_int);
+    runtime fn cudaGraphExecKernelNodeSetParams(exec: *mut c_void, node: *mut c_void, params: *const c_void);
+    runtime fn cudaGraphExecUpdate(exec: *mut c_void, graph: *mut c_void, result: *mut c_void);
     runtime fn cudaLaunchKernel(func: *const c_void, grid: Dim3, block: Dim3, args: *mut *mut c_void, shared: usize, stream: Stream);
     runtime fn cudaLaunchKernelExC(config: *const c_void, func: *const c_void, args: *mut *mut c_void);
     runtime fn cudaLaunchCooperativeKernel(func: *const c_void, grid: Dim3, block: Dim3, args: *mut *mut c_void, shared: usize, stream: Stream);
@@ -1051,6 +1244,10 @@ fn driver_hook(name: &str) -> Option<*mut c_void> {
         "cuMemGetInfo_v2" => cuMemGetInfo_v2 as *const () as usize,
         "cuGetProcAddress" => cuGetProcAddress as *const () as usize,
         "cuGetProcAddress_v2" => cuGetProcAddress_v2 as *const () as usize,
+        "cuMemGetAddressRange_v2" => cuMemGetAddressRange_v2 as *const () as usize,
+        "cuPointerGetAttribute" => cuPointerGetAttribute as *const () as usize,
+        "cuPointerGetAttributes" => cuPointerGetAttributes as *const () as usize,
+        "cuMemRetainAllocationHandle" => cuMemRetainAllocationHandle as *const () as usize,
         _ if name.starts_with("cu") && !name.starts_with("cuda") => return flush_hook(name),
         _ => return None,
     };

@@ -15,6 +15,7 @@ use crate::engine::{Copied, CopyCall, Engine, Freed};
 use crate::env::{self, Config, Mode};
 use crate::gpu::{GpuDevice, GpuOptions, HostSlot};
 use crate::monitor::{merge_events, MonitorLog};
+use crate::query::Allocation;
 use crate::real;
 use crate::stats::{Counters, StablebufStats, ABI_VERSION};
 use crate::tags;
@@ -258,6 +259,21 @@ impl Layer {
     /// Whether the layer owns `address` (vmm).
     pub fn owns(&self, address: u64) -> bool {
         self.engine.as_ref().is_some_and(|e| e.owns(address))
+    }
+
+    /// vmm: the allocation `address` lies in, settled for a pointer query
+    /// ([`Engine::settle`]: mapped, deferred copies performed). `Ok(None)`: not the layer's.
+    pub fn settle(
+        &self,
+        engine: &Engine<GpuDevice>,
+        call: &'static str,
+        address: u64,
+    ) -> Result<Option<Allocation>, Fail> {
+        let _busy = Busy::new(&self.busy);
+        let _context = real::ContextGuard::save();
+        engine.settle(address).inspect_err(|fail| {
+            tracing::error!(call, address, %fail, "making the layer's memory ready for a pointer query failed")
+        })
     }
 
     /// monitor: an allocation went through.

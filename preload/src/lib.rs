@@ -23,7 +23,7 @@
 //! Pure logic, tested on the CPU: [`env`](mod@env) (variables, help), [`codes`] (error codes of each
 //! ABI), [`table`] (pointer ownership), [`tags`] (per-thread tag, tag book), [`elide`] (copy
 //! elision state machine), [`entry`] (driver entry-point substitution), [`unseen`] (libraries that launch unseen), [`monitor`] (records,
-//! timeline), [`stats`], and [`engine`] (vmm's logic over a [`device::Device`]).
+//! timeline), [`query`] (pointer queries on the layer's memory), [`stats`], and [`engine`] (vmm's logic over a [`device::Device`]).
 //! The GPU side: [`gpu`] (stablebuf pool and regions), `layer` (the process-wide state).
 //! `unsafe` lives only in `real` (finding the real CUDA functions) and `ffi` (the exports).
 
@@ -40,6 +40,7 @@ mod ffi;
 pub mod gpu;
 mod layer;
 pub mod monitor;
+pub mod query;
 #[allow(unsafe_code)]
 mod real;
 pub mod stats;

@@ -106,6 +106,20 @@ function_table! {
     /// `libcudart` functions: the hooked ones, and the few the layer calls itself.
     Runtime {
         cudaMalloc: fn(*mut *mut c_void, usize) -> c_int;
+        cudaPointerGetAttributes: fn(*mut c_void, *const c_void) -> c_int;
+        cudaGraphAddMemsetNode: fn(*mut c_void, *mut c_void, *const c_void, usize, *const c_void) -> c_int;
+        cudaGraphAddMemcpyNode: fn(*mut c_void, *mut c_void, *const c_void, usize, *const c_void) -> c_int;
+        cudaGraphAddMemcpyNode1D: fn(*mut c_void, *mut c_void, *const c_void, usize, *mut c_void, *const c_void, usize, c_int) -> c_int;
+        cudaGraphAddKernelNode: fn(*mut c_void, *mut c_void, *const c_void, usize, *const c_void) -> c_int;
+        cudaGraphMemsetNodeSetParams: fn(*mut c_void, *const c_void) -> c_int;
+        cudaGraphMemcpyNodeSetParams: fn(*mut c_void, *const c_void) -> c_int;
+        cudaGraphMemcpyNodeSetParams1D: fn(*mut c_void, *mut c_void, *const c_void, usize, c_int) -> c_int;
+        cudaGraphKernelNodeSetParams: fn(*mut c_void, *const c_void) -> c_int;
+        cudaGraphExecMemsetNodeSetParams: fn(*mut c_void, *mut c_void, *const c_void) -> c_int;
+        cudaGraphExecMemcpyNodeSetParams: fn(*mut c_void, *mut c_void, *const c_void) -> c_int;
+        cudaGraphExecMemcpyNodeSetParams1D: fn(*mut c_void, *mut c_void, *mut c_void, *const c_void, usize, c_int) -> c_int;
+        cudaGraphExecKernelNodeSetParams: fn(*mut c_void, *mut c_void, *const c_void) -> c_int;
+        cudaGraphExecUpdate: fn(*mut c_void, *mut c_void, *mut c_void) -> c_int;
         cudaMallocAsync: fn(*mut *mut c_void, usize, Stream) -> c_int;
         cudaFree: fn(*mut c_void) -> c_int;
         cudaFreeAsync: fn(*mut c_void, Stream) -> c_int;
@@ -226,6 +240,10 @@ function_table! {
     /// `libcuda` functions: the hooked ones, and the few the layer calls itself.
     Driver {
         cuMemAlloc_v2: fn(*mut DevicePtr, usize) -> c_int;
+        cuMemGetAddressRange_v2: fn(*mut DevicePtr, *mut usize, DevicePtr) -> c_int;
+        cuPointerGetAttribute: fn(*mut c_void, c_int, DevicePtr) -> c_int;
+        cuPointerGetAttributes: fn(c_uint, *mut c_int, *mut *mut c_void, DevicePtr) -> c_int;
+        cuMemRetainAllocationHandle: fn(*mut u64, *mut c_void) -> c_int;
         cuMemFree_v2: fn(DevicePtr) -> c_int;
         cuMemGetInfo_v2: fn(*mut usize, *mut usize) -> c_int;
         cuGetProcAddress: fn(*const c_char, *mut *mut c_void, c_int, u64) -> c_int;

@@ -27,6 +27,9 @@ pub enum Role {
     Ipc,
     /// A device-to-device copy that copy elision may defer.
     Copy,
+    /// Asks about a device pointer (its range, attributes or handle): the layer's memory is
+    /// made ready and described as one allocation (see `query.rs`).
+    Query,
     /// Work that may touch any memory: deferred copies are performed first.
     Flush,
 }
@@ -66,6 +69,7 @@ pub const HOOKED: &[Hooked] = &[
     rt("cudaGetDriverEntryPoint", Role::EntryPoint),
     rt("cudaGetDriverEntryPointByVersion", Role::EntryPoint),
     rt("cudaIpcGetMemHandle", Role::Ipc),
+    rt("cudaPointerGetAttributes", Role::Query),
     rt("cudaMemcpy", Role::Copy),
     rt("cudaMemcpyAsync", Role::Copy),
     // Runtime: flush points.
@@ -94,6 +98,20 @@ pub const HOOKED: &[Hooked] = &[
     rt("cudaEventSynchronize", Role::Flush),
     rt("cudaEventQuery", Role::Flush),
     rt("cudaDeviceSynchronize", Role::Flush),
+    // Runtime: graphs built by hand, whose node parameters CUDA checks against the memory.
+    rt("cudaGraphAddMemsetNode", Role::Flush),
+    rt("cudaGraphAddMemcpyNode", Role::Flush),
+    rt("cudaGraphAddMemcpyNode1D", Role::Flush),
+    rt("cudaGraphAddKernelNode", Role::Flush),
+    rt("cudaGraphMemsetNodeSetParams", Role::Flush),
+    rt("cudaGraphMemcpyNodeSetParams", Role::Flush),
+    rt("cudaGraphMemcpyNodeSetParams1D", Role::Flush),
+    rt("cudaGraphKernelNodeSetParams", Role::Flush),
+    rt("cudaGraphExecMemsetNodeSetParams", Role::Flush),
+    rt("cudaGraphExecMemcpyNodeSetParams", Role::Flush),
+    rt("cudaGraphExecMemcpyNodeSetParams1D", Role::Flush),
+    rt("cudaGraphExecKernelNodeSetParams", Role::Flush),
+    rt("cudaGraphExecUpdate", Role::Flush),
     // Runtime: per-thread-default-stream forms of the memory functions.
     rt("cudaMemcpy_ptds", Role::Copy),
     rt("cudaMemcpyAsync_ptsz", Role::Copy),
@@ -177,6 +195,11 @@ pub const HOOKED: &[Hooked] = &[
     drv("cuMemGetInfo_v2", Role::MemoryInfo),
     drv("cuGetProcAddress", Role::EntryPoint),
     drv("cuGetProcAddress_v2", Role::EntryPoint),
+    // Driver: pointer queries.
+    drv("cuMemGetAddressRange_v2", Role::Query),
+    drv("cuPointerGetAttribute", Role::Query),
+    drv("cuPointerGetAttributes", Role::Query),
+    drv("cuMemRetainAllocationHandle", Role::Query),
     // Driver: flush points.
     drv("cuLaunchKernel", Role::Flush),
     drv("cuLaunchKernelEx", Role::Flush),
