@@ -1,4 +1,4 @@
-//! Writes the linker version script from the symbol table in `src/symbols.rs`: the cdylib
+//! Writes the linker version script from the symbol table in `src/cuda/symbols.rs`: the cdylib
 //! exports exactly those names and keeps everything else (Rust symbols, dependencies) local.
 
 use std::fmt::Write as _;
@@ -6,11 +6,11 @@ use std::path::PathBuf;
 
 #[allow(dead_code)]
 mod symbols {
-    include!("src/symbols.rs");
+    include!("src/cuda/symbols.rs");
 }
 
 fn main() {
-    println!("cargo:rerun-if-changed=src/symbols.rs");
+    println!("cargo:rerun-if-changed=src/cuda/symbols.rs");
     println!("cargo:rerun-if-changed=build.rs");
     let mut script = String::from("{\n  global:\n");
     for name in symbols::exported() {

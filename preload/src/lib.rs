@@ -20,31 +20,27 @@
 //! the limits.
 //!
 //! ## Modules
-//! Pure logic, tested on the CPU: [`env`](mod@env) (variables, help), [`codes`] (error codes of each
-//! ABI), [`table`] (pointer ownership), [`tags`] (per-thread tag, tag book), [`elide`] (copy
-//! elision state machine), [`entry`] (driver entry-point substitution), [`unseen`] (libraries that launch unseen), [`monitor`] (records,
-//! timeline), [`query`] (pointer queries on the layer's memory), [`stats`], and [`engine`] (vmm's logic over a [`device::Device`]).
-//! The GPU side: [`gpu`] (stablebuf pool and regions), `layer` (the process-wide state).
-//! `unsafe` lives only in `real` (finding the real CUDA functions) and `ffi` (the exports).
+//! Three layers, each using only the ones below it (`scripts/module-graph --src preload/src
+//! --order hooks,engine,cuda`, run by `scripts/test`, fails on an import the other way):
+//!
+//! - [`hooks`]: the exported CUDA functions (`ffi`), the process-wide state behind them
+//!   (`layer`) and its configuration ([`hooks::env`]: variables, help).
+//! - [`engine`]: vmm's logic over a [`engine::device::Device`], pure and tested on the CPU
+//!   with a fake device: the ownership [`engine::table`], [`engine::tags`], copy elision
+//!   ([`engine::elide`]), pointer queries ([`engine::query`]), [`engine::stats`], monitor
+//!   mode's records and timeline ([`engine::monitor`]); and the real device on stablebuf's pool
+//!   and regions ([`engine::gpu`]).
+//! - [`cuda`]: the real CUDA functions (`real`, found at run time), the error codes of each
+//!   ABI ([`cuda::codes`]), the exported symbols ([`cuda::symbols`]), driver entry-point
+//!   versions ([`cuda::entry`]), the libraries that launch unseen ([`cuda::unseen`]) and the
+//!   notices a user must see ([`cuda::notice`]).
+//!
+//! `unsafe` lives only in `real` and `ffi`.
 
 #![deny(unsafe_code)]
 
-pub mod codes;
-pub mod device;
-pub mod elide;
+// Three layers, each using only those below it (scripts/module-graph checks the order):
+// hooks → engine → cuda.
+pub mod cuda;
 pub mod engine;
-pub mod entry;
-pub mod env;
-#[allow(unsafe_code)]
-mod ffi;
-pub mod gpu;
-mod layer;
-pub mod monitor;
-pub mod query;
-#[allow(unsafe_code)]
-mod real;
-pub mod stats;
-pub mod symbols;
-pub mod table;
-pub mod tags;
-pub mod unseen;
+pub mod hooks;

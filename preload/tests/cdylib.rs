@@ -6,9 +6,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
-use stablebuf_preload::codes::{abi, cu, cuda};
-use stablebuf_preload::stats::StablebufStats;
-use stablebuf_preload::symbols;
+use stablebuf_preload::cuda::codes::{abi, cu, cuda};
+use stablebuf_preload::cuda::symbols;
+use stablebuf_preload::engine::stats::StablebufStats;
 
 /// The cdylib cargo built next to this test (building it if it is missing).
 fn library() -> PathBuf {
@@ -65,7 +65,7 @@ fn exports_exactly_the_symbol_table() {
     expected.sort_unstable();
     assert_eq!(
         exported, expected,
-        "nm -D --defined-only differs from src/symbols.rs"
+        "nm -D --defined-only differs from src/cuda/symbols.rs"
     );
     assert!(
         !exported
@@ -270,7 +270,7 @@ fn preloading_into_a_program_without_cuda_is_harmless() {
     assert!(output.status.success(), "{output:?}");
     assert_eq!(String::from_utf8_lossy(&output.stdout).trim(), "running");
     let stderr = String::from_utf8_lossy(&output.stderr);
-    for variable in stablebuf_preload::env::VARIABLES {
+    for variable in stablebuf_preload::hooks::env::VARIABLES {
         assert!(
             stderr.contains(variable.name),
             "help lacks {}:\n{stderr}",

@@ -6,10 +6,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use stablebuf::cudarc::driver::{result, CudaContext};
-use stablebuf_preload::codes::Fail;
+use stablebuf_preload::cuda::codes::Fail;
+use stablebuf_preload::engine::gpu::{GpuDevice, GpuOptions, HostSlot};
+use stablebuf_preload::engine::stats::Counters;
 use stablebuf_preload::engine::{Copied, CopyCall, Engine, Freed};
-use stablebuf_preload::gpu::{GpuDevice, GpuOptions, HostSlot};
-use stablebuf_preload::stats::Counters;
 
 const MIB: usize = 1 << 20;
 

@@ -10,15 +10,16 @@ use std::time::{Duration, Instant};
 use tracing_subscriber::filter::Targets;
 use tracing_subscriber::layer::SubscriberExt;
 
-use crate::codes::Fail;
+use crate::cuda::codes::Fail;
+use crate::cuda::notice::notice_once;
+use crate::cuda::real;
+use crate::engine::gpu::{GpuDevice, GpuOptions, HostSlot};
+use crate::engine::monitor::{merge_events, MonitorLog};
+use crate::engine::query::Allocation;
+use crate::engine::stats::{Counters, StablebufStats, ABI_VERSION};
+use crate::engine::tags;
 use crate::engine::{Copied, CopyCall, Engine, Freed};
-use crate::env::{self, Config, Mode};
-use crate::gpu::{GpuDevice, GpuOptions, HostSlot};
-use crate::monitor::{merge_events, MonitorLog};
-use crate::query::Allocation;
-use crate::real;
-use crate::stats::{Counters, StablebufStats, ABI_VERSION};
-use crate::tags;
+use crate::hooks::env::{self, Config, Mode};
 
 /// Monitor mode keeps this many allocation records for the timeline.
 const MONITOR_RECORDS: usize = 1 << 18;
@@ -38,7 +39,6 @@ pub struct Layer {
 
 static LAYER: OnceLock<Layer> = OnceLock::new();
 static FORKED: AtomicBool = AtomicBool::new(false);
-static NOTICES: Mutex<BTreeSet<&'static str>> = Mutex::new(BTreeSet::new());
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
@@ -61,15 +61,6 @@ pub fn forked() {
 
 fn in_child() -> bool {
     FORKED.load(Ordering::Relaxed) || LAYER.get().is_some_and(|l| l.pid != std::process::id())
-}
-
-/// Prints `text` to stderr once per `key` per process, whatever the log filter: for the few
-/// things a user must see (no CUDA found, an IPC handle refused).
-pub fn notice_once(key: &'static str, text: &str) {
-    if lock(&NOTICES).insert(key) {
-        eprintln!("{text}");
-    }
-    tracing::warn!("{text}");
 }
 
 thread_local! {
@@ -285,7 +276,7 @@ impl Layer {
         self.count_alloc(api);
         let at = self.now();
         lock(monitor).alloc(at, call, address, bytes);
-        tracing::info!(target: "stablebuf_preload::monitor", call, address = format_args!("{address:#x}"),
+        tracing::info!(target: "stablebuf_preload::engine::monitor", call, address = format_args!("{address:#x}"),
             bytes, at_us = at.as_micros() as u64, "alloc");
     }
 
@@ -302,7 +293,7 @@ impl Layer {
         } else {
             &self.counters.foreign_frees
         });
-        tracing::info!(target: "stablebuf_preload::monitor", call, address = format_args!("{address:#x}"),
+        tracing::info!(target: "stablebuf_preload::engine::monitor", call, address = format_args!("{address:#x}"),
             bytes, at_us = at.as_micros() as u64, "free");
     }
 

@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use stablebuf::pool::Event;
 
-use crate::codes::Fail;
-use crate::elide::PendingCopy;
+use crate::cuda::codes::Fail;
+use crate::engine::elide::PendingCopy;
 
 /// What a pause or resume moved.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]

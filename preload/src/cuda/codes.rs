@@ -325,7 +325,7 @@ mod tests {
 
     #[test]
     fn every_abi_code_is_described_once_and_in_the_header() {
-        let header = include_str!("../include/stablebuf_preload.h");
+        let header = include_str!("../../include/stablebuf_preload.h");
         for (index, (code, name, text)) in abi::TABLE.iter().enumerate() {
             assert_eq!(*code as usize, index, "codes are dense, in order");
             assert_eq!(abi::describe(*code), *text);

@@ -10,7 +10,7 @@ use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
-use crate::codes::Fail;
+use crate::cuda::codes::Fail;
 
 /// Longest tag accepted, in bytes.
 pub const MAX_TAG_LEN: usize = 255;

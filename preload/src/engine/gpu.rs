@@ -15,10 +15,10 @@ use stablebuf::pool::{human_bytes, Event};
 use stablebuf::pool::{Block, Tenant};
 use stablebuf::{ElasticPool, HostArena, PoolOptions};
 
-use crate::codes::Fail;
-use crate::device::{Device, PoolView, TagView, Transfer};
-use crate::elide::PendingCopy;
-use crate::real;
+use crate::cuda::codes::Fail;
+use crate::cuda::real;
+use crate::engine::device::{Device, PoolView, TagView, Transfer};
+use crate::engine::elide::PendingCopy;
 
 use stablebuf::host::StorageUsed;
 use stablebuf::region::{Region, RegionOptions};

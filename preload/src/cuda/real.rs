@@ -20,7 +20,7 @@
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
 use std::sync::OnceLock;
 
-use crate::codes::{cu, cuda, Fail};
+use crate::cuda::codes::{cu, cuda, Fail};
 
 pub type Stream = *mut c_void;
 pub type Event = *mut c_void;
@@ -462,7 +462,7 @@ fn resolve(
         match found {
             Some(handle) => Some(handle),
             None => {
-                crate::layer::notice_once(
+                crate::cuda::notice::notice_once(
                     if may_load { "driver" } else { "runtime" },
                     &format!(
                         "stablebuf-preload: no {path_contains} found in this process (tried \
@@ -521,7 +521,7 @@ fn loaded_objects() -> Vec<CString> {
     paths
 }
 
-/// A loaded object that launches GPU work the layer cannot see (`crate::unseen`), as its path
+/// A loaded object that launches GPU work the layer cannot see (`crate::cuda::unseen`), as its path
 /// and the fragment it matched. The scan runs again only when objects were loaded since the
 /// last one (`dlpi_adds`), so the check costs one `dl_iterate_phdr` step per copy otherwise.
 pub fn unseen_launcher_loaded() -> Option<(String, &'static str)> {
@@ -548,7 +548,7 @@ pub fn unseen_launcher_loaded() -> Option<(String, &'static str)> {
     }
     loaded_objects().iter().find_map(|path| {
         let path = path.to_string_lossy();
-        crate::unseen::launches_unseen(&path).map(|fragment| (path.into_owned(), fragment))
+        crate::cuda::unseen::launches_unseen(&path).map(|fragment| (path.into_owned(), fragment))
     })
 }
 

@@ -268,7 +268,7 @@ mod tests {
 
     #[test]
     fn the_header_declares_the_same_fields_in_the_same_order() {
-        let header = include_str!("../include/stablebuf_preload.h");
+        let header = include_str!("../../include/stablebuf_preload.h");
         let start = header
             .find("struct stablebuf_stats {")
             .expect("struct in the header");

@@ -7,6 +7,15 @@
 //! must not change under it: a graft and a deferred copy performed at a flush point hold it, so
 //! a concurrent free cannot unmap a source being read.
 
+pub mod device;
+pub mod elide;
+pub mod gpu;
+pub mod monitor;
+pub mod query;
+pub mod stats;
+pub mod table;
+pub mod tags;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -14,13 +23,13 @@ use std::time::Duration;
 
 use stablebuf::pool::Event;
 
-use crate::codes::Fail;
-use crate::device::{Device, PoolView, Transfer};
-use crate::elide::{Alloc, CopyDecision, CopyRequest, Elider, FreeDecision, PendingCopy};
-use crate::query::Allocation;
-use crate::stats::Counters;
-use crate::table::{Lookup, OwnershipTable};
-use crate::tags::TagBook;
+use crate::cuda::codes::Fail;
+use crate::engine::device::{Device, PoolView, Transfer};
+use crate::engine::elide::{Alloc, CopyDecision, CopyRequest, Elider, FreeDecision, PendingCopy};
+use crate::engine::query::Allocation;
+use crate::engine::stats::Counters;
+use crate::engine::table::{Lookup, OwnershipTable};
+use crate::engine::tags::TagBook;
 
 /// Who serves an allocation of the layer.
 #[derive(Debug)]
@@ -658,7 +667,7 @@ impl<D: Device> Engine<D> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::device::TagView;
+    use crate::engine::device::TagView;
     use std::collections::HashMap;
     use std::sync::atomic::AtomicBool;
 

@@ -14,14 +14,15 @@ use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::OnceLock;
 
-use crate::codes::{abi, cu, cuda, Fail};
+use crate::cuda::codes::{abi, cu, cuda, Fail};
+use crate::cuda::entry;
+use crate::cuda::notice;
+use crate::cuda::real::{self, DevicePtr, Dim3, Event, Extent, PitchedPtr, Stream};
+use crate::engine::query::{self, Allocation, Answer};
+use crate::engine::stats::{bytes_to_write, Counters, StablebufStats};
+use crate::engine::tags;
 use crate::engine::{Copied, CopyCall, Freed};
-use crate::entry;
-use crate::layer::{self, Api, Inside, Route};
-use crate::query::{self, Allocation, Answer};
-use crate::real::{self, DevicePtr, Dim3, Event, Extent, PitchedPtr, Stream};
-use crate::stats::{bytes_to_write, Counters, StablebufStats};
-use crate::tags;
+use crate::hooks::layer::{self, Api, Inside, Route};
 
 // ---- helpers ----------------------------------------------------------------------------
 
@@ -30,7 +31,7 @@ fn guarded(call: &'static str, on_panic: c_int, body: impl FnOnce() -> c_int) ->
     match catch_unwind(AssertUnwindSafe(body)) {
         Ok(code) => code,
         Err(_) => {
-            layer::notice_once(
+            notice::notice_once(
                 "panic",
                 &format!(
                     "stablebuf-preload: internal error in {call} (caught; returning {on_panic})"
@@ -284,7 +285,7 @@ pub unsafe extern "C" fn cudaIpcGetMemHandle(handle: *mut c_void, ptr: *mut c_vo
             if let Route::Vmm(layer, _) = layer::route() {
                 if layer.owns(ptr as u64) {
                     Counters::bump(&layer.counters.ipc_refusals);
-                    layer::notice_once(
+                    notice::notice_once(
                         "ipc",
                         &format!(
                             "stablebuf-preload: cudaIpcGetMemHandle({:#x}) refused with \
@@ -446,7 +447,7 @@ pub unsafe extern "C" fn cuMemRetainAllocationHandle(handle: *mut u64, addr: *mu
         let real = real_driver!(cuMemRetainAllocationHandle);
         match settled("cuMemRetainAllocationHandle", addr as u64) {
             Ok(Some(allocation)) => {
-                layer::notice_once(
+                notice::notice_once(
                     "retain",
                     &format!(
                         "stablebuf-preload: cuMemRetainAllocationHandle({:#x}) refused with \
@@ -1392,7 +1393,7 @@ extern "C" fn child_after_fork() {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::symbols;
+    use crate::cuda::symbols;
     use std::collections::BTreeSet;
 
     #[test]

@@ -270,7 +270,7 @@ pub fn substitute(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::symbols::{Library, Role, HOOKED};
+    use crate::cuda::symbols::{Library, Role, HOOKED};
 
     fn lookup(symbol: &str, version: i32) -> Lookup<'_> {
         Lookup {

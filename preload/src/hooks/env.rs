@@ -445,7 +445,7 @@ mod tests {
 
     #[test]
     fn the_readme_documents_every_variable() {
-        let readme = include_str!("../README.md");
+        let readme = include_str!("../../README.md");
         for variable in VARIABLES {
             assert!(
                 readme.contains(variable.name),
