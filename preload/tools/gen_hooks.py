@@ -3,8 +3,9 @@
 
     preload/tools/gen_hooks.py <cuda-include-dir>   # the dir with cuda.h and cuda_runtime_api.h
 
-Prints `flush_hooks!` lines (ffi.rs) and `function_table!` lines (real.rs) for every name in
-RUNTIME / DRIVER below. Per-thread variants (`_ptsz`, `_ptds`) have the prototype of the name
+Prints the `runtime_flush_points!` and `driver_flush_points!` blocks of
+`src/cuda/flush_points.rs` (name and prototype; the hooks, the real functions' tables and the
+symbol table are all generated from that file) for every name in RUNTIME / DRIVER below. Per-thread variants (`_ptsz`, `_ptds`) have the prototype of the name
 they stand for, which is the name looked up in the header. Used once to write the tables; kept
 so a later CUDA's new entry points can be added the same way (the output is checked in).
 """
@@ -110,11 +111,12 @@ def main():
         void **args, size_t sharedMem, cudaStream_t stream);"""
     text += extra
     for lib, names in (("runtime", RUNTIME), ("driver", DRIVER)):
+        print(f"{lib}_flush_points! {{")
         for exported, base in names:
             params = prototype(text, base)
             args = ", ".join(f"{n}: {t}" for n, t in params)
-            print(f"HOOK {lib} fn {exported}({args});")
-            print(f"TABLE {exported}: fn({', '.join(t for _, t in params)}) -> c_int;")
+            print(f"    {exported}({args});")
+        print("}")
 
 
 main()

@@ -270,7 +270,7 @@ pub fn substitute(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cuda::symbols::{Library, Role, HOOKED};
+    use crate::cuda::symbols::{hooked, Library, Role};
 
     fn lookup(symbol: &str, version: i32) -> Lookup<'_> {
         Lookup {
@@ -332,9 +332,7 @@ mod tests {
     }
 
     fn flush(name: &str) -> bool {
-        HOOKED
-            .iter()
-            .any(|h| h.name == name && h.role == Role::Flush && h.library == Library::Driver)
+        hooked().any(|h| h.name == name && h.role == Role::Flush && h.library == Library::Driver)
     }
 
     #[test]
@@ -406,8 +404,8 @@ mod tests {
 
     #[test]
     fn no_hooked_flush_point_is_on_the_harmless_list() {
-        for hooked in HOOKED.iter().filter(|h| h.role == Role::Flush) {
-            assert!(!harmless(hooked.name), "{}", hooked.name);
+        for function in hooked().filter(|h| h.role == Role::Flush) {
+            assert!(!harmless(function.name), "{}", function.name);
         }
         // Graph building (nodes, parameters) runs nothing: only launches do.
         for prefix in HARMLESS_PREFIXES
@@ -433,19 +431,16 @@ mod tests {
 
     #[test]
     fn every_hooked_memory_function_has_a_variant_and_back() {
-        for hooked in HOOKED
-            .iter()
-            .filter(|h| h.library == Library::Driver && h.role != Role::Flush)
-        {
+        for function in hooked().filter(|h| h.library == Library::Driver && h.role != Role::Flush) {
             assert!(
-                VARIANTS.iter().any(|v| v.hooked == hooked.name),
+                VARIANTS.iter().any(|v| v.hooked == function.name),
                 "{} has no entry-point variant",
-                hooked.name
+                function.name
             );
         }
         for variant in VARIANTS {
             assert!(
-                HOOKED.iter().any(|h| h.name == variant.hooked),
+                hooked().any(|h| h.name == variant.hooked),
                 "{} is not hooked",
                 variant.hooked
             );

@@ -60,6 +60,24 @@ macro_rules! real_runtime {
     };
 }
 
+macro_rules! real_runtime_flush {
+    ($name:ident) => {
+        match real::runtime_flush_points().and_then(|table| table.$name) {
+            Some(function) => function,
+            None => return missing(Api::Runtime, stringify!($name)),
+        }
+    };
+}
+
+macro_rules! real_driver_flush {
+    ($name:ident) => {
+        match real::driver_flush_points().and_then(|table| table.$name) {
+            Some(function) => function,
+            None => return missing(Api::Driver, stringify!($name)),
+        }
+    };
+}
+
 macro_rules! real_driver {
     ($name:ident) => {
         match real::driver().and_then(|table| table.$name) {
@@ -974,7 +992,7 @@ pub unsafe extern "C" fn cuGetProcAddress_v2(
 /// Hooks that perform deferred copies (copy elision), then call the real function with the
 /// caller's arguments unchanged.
 macro_rules! flush_hooks {
-    ($( $lib:ident fn $name:ident($($arg:ident: $ty:ty),* $(,)?); )*) => {
+    ($lookup:ident; $( $lib:ident fn $name:ident($($arg:ident: $ty:ty),* $(,)?); )*) => {
         $(
             #[no_mangle]
             pub unsafe extern "C" fn $name($($arg: $ty),*) -> c_int {
@@ -988,8 +1006,8 @@ macro_rules! flush_hooks {
             }
         )*
 
-        /// The flush-point hook named `name`, as a pointer to hand out from lookups.
-        fn flush_hook(name: &str) -> Option<*mut c_void> {
+        /// This library's flush-point hook named `name`, as a pointer.
+        fn $lookup(name: &str) -> Option<*mut c_void> {
             let address: usize = match name {
                 $( stringify!($name) => $name as *const () as usize, )*
                 _ => return None,
@@ -999,242 +1017,27 @@ macro_rules! flush_hooks {
     };
     (@unknown runtime) => { cuda::UNKNOWN };
     (@unknown driver) => { cu::UNKNOWN };
-    (@real runtime $name:ident) => { real_runtime!($name) };
-    (@real driver $name:ident) => { real_driver!($name) };
+    (@real runtime $name:ident) => { real_runtime_flush!($name) };
+    (@real driver $name:ident) => { real_driver_flush!($name) };
 }
 
-flush_hooks! {
-    runtime fn cudaGraphAddMemsetNode(node: *mut c_void, graph: *mut c_void, dependencies: *const c_void, count: usize, params: *const c_void);
-    runtime fn cudaGraphAddMemcpyNode(node: *mut c_void, graph: *mut c_void, dependencies: *const c_void, count: usize, params: *const c_void);
-    runtime fn cudaGraphAddMemcpyNode1D(node: *mut c_void, graph: *mut c_void, dependencies: *const c_void, count: usize, dst: *mut c_void, src: *const c_void, bytes: usize, kind: c_int);
-    runtime fn cudaGraphAddKernelNode(node: *mut c_void, graph: *mut c_void, dependencies: *const c_void, count: usize, params: *const c_void);
-    runtime fn cudaGraphMemsetNodeSetParams(node: *mut c_void, params: *const c_void);
-    runtime fn cudaGraphMemcpyNodeSetParams(node: *mut c_void, params: *const c_void);
-    runtime fn cudaGraphMemcpyNodeSetParams1D(node: *mut c_void, dst: *mut c_void, src: *const c_void, bytes: usize, kind: c_int);
-    runtime fn cudaGraphKernelNodeSetParams(node: *mut c_void, params: *const c_void);
-    runtime fn cudaGraphExecMemsetNodeSetParams(exec: *mut c_void, node: *mut c_void, params: *const c_void);
-    runtime fn cudaGraphExecMemcpyNodeSetParams(exec: *mut c_void, node: *mut c_void, params: *const c_void);
-    runtime fn cudaGraphExecMemcpyNodeSetParams1D(exec: *mut c_void, node: *mut c_void, dst: *mut c_void, src: *const c_void, bytes: usize, kind: c_int);
-    runtime fn cudaGraphExecKernelNodeSetParams(exec: *mut c_void, node: *mut c_void, params: *const c_void);
-    runtime fn cudaGraphExecUpdate(exec: *mut c_void, graph: *mut c_void, result: *mut c_void);
-    runtime fn cudaLaunchKernel(func: *const c_void, grid: Dim3, block: Dim3, args: *mut *mut c_void, shared: usize, stream: Stream);
-    runtime fn cudaLaunchKernelExC(config: *const c_void, func: *const c_void, args: *mut *mut c_void);
-    runtime fn cudaLaunchCooperativeKernel(func: *const c_void, grid: Dim3, block: Dim3, args: *mut *mut c_void, shared: usize, stream: Stream);
-    runtime fn cudaLaunchHostFunc(stream: Stream, func: *mut c_void, data: *mut c_void);
-    runtime fn cudaGraphLaunch(exec: *mut c_void, stream: Stream);
-    runtime fn cudaMemset(ptr: *mut c_void, value: c_int, count: usize);
-    runtime fn cudaMemsetAsync(ptr: *mut c_void, value: c_int, count: usize, stream: Stream);
-    runtime fn cudaMemset2D(ptr: *mut c_void, pitch: usize, value: c_int, width: usize, height: usize);
-    runtime fn cudaMemset2DAsync(ptr: *mut c_void, pitch: usize, value: c_int, width: usize, height: usize, stream: Stream);
-    runtime fn cudaMemcpy2D(dst: *mut c_void, dpitch: usize, src: *const c_void, spitch: usize, width: usize, height: usize, kind: c_int);
-    runtime fn cudaMemcpy2DAsync(dst: *mut c_void, dpitch: usize, src: *const c_void, spitch: usize, width: usize, height: usize, kind: c_int, stream: Stream);
-    runtime fn cudaMemcpy3D(params: *const c_void);
-    runtime fn cudaMemcpy3DAsync(params: *const c_void, stream: Stream);
-    runtime fn cudaMemcpyPeer(dst: *mut c_void, dst_device: c_int, src: *const c_void, src_device: c_int, count: usize);
-    runtime fn cudaMemcpyPeerAsync(dst: *mut c_void, dst_device: c_int, src: *const c_void, src_device: c_int, count: usize, stream: Stream);
-    runtime fn cudaMemcpyToSymbol(symbol: *const c_void, src: *const c_void, count: usize, offset: usize, kind: c_int);
-    runtime fn cudaMemcpyFromSymbol(dst: *mut c_void, symbol: *const c_void, count: usize, offset: usize, kind: c_int);
-    runtime fn cudaStreamSynchronize(stream: Stream);
-    runtime fn cudaStreamQuery(stream: Stream);
-    runtime fn cudaStreamWaitEvent(stream: Stream, event: Event, flags: c_uint);
-    runtime fn cudaStreamBeginCapture(stream: Stream, mode: c_int);
-    runtime fn cudaEventRecord(event: Event, stream: Stream);
-    runtime fn cudaEventSynchronize(event: Event);
-    runtime fn cudaEventQuery(event: Event);
-    runtime fn cudaDeviceSynchronize();
-    driver fn cuLaunchKernel(f: *mut c_void, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shared: c_uint, stream: Stream, params: *mut *mut c_void, extra: *mut *mut c_void);
-    driver fn cuLaunchKernelEx(config: *const c_void, f: *mut c_void, params: *mut *mut c_void, extra: *mut *mut c_void);
-    driver fn cuLaunchCooperativeKernel(f: *mut c_void, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shared: c_uint, stream: Stream, params: *mut *mut c_void);
-    driver fn cuGraphLaunch(exec: *mut c_void, stream: Stream);
-    driver fn cuMemcpy(dst: DevicePtr, src: DevicePtr, count: usize);
-    driver fn cuMemcpyAsync(dst: DevicePtr, src: DevicePtr, count: usize, stream: Stream);
-    driver fn cuMemcpyDtoD_v2(dst: DevicePtr, src: DevicePtr, count: usize);
-    driver fn cuMemcpyDtoDAsync_v2(dst: DevicePtr, src: DevicePtr, count: usize, stream: Stream);
-    driver fn cuMemcpyHtoD_v2(dst: DevicePtr, src: *const c_void, count: usize);
-    driver fn cuMemcpyHtoDAsync_v2(dst: DevicePtr, src: *const c_void, count: usize, stream: Stream);
-    driver fn cuMemcpyDtoH_v2(dst: *mut c_void, src: DevicePtr, count: usize);
-    driver fn cuMemcpyDtoHAsync_v2(dst: *mut c_void, src: DevicePtr, count: usize, stream: Stream);
-    driver fn cuMemsetD8_v2(dst: DevicePtr, value: u8, count: usize);
-    driver fn cuMemsetD32_v2(dst: DevicePtr, value: c_uint, count: usize);
-    driver fn cuMemsetD8Async(dst: DevicePtr, value: u8, count: usize, stream: Stream);
-    driver fn cuMemsetD32Async(dst: DevicePtr, value: c_uint, count: usize, stream: Stream);
-    driver fn cuStreamSynchronize(stream: Stream);
-    driver fn cuCtxSynchronize();
-    // CUDA 13's other entry points that may touch memory, with their per-thread-stream
-    // variants (generated by tools/gen_hooks.py from cuda.h and cuda_runtime_api.h).
-    runtime fn __cudaLaunchKernel(kernel: *mut c_void, grid_dim: Dim3, block_dim: Dim3, args: *mut c_void, shared_mem: usize, stream: *mut c_void);
-    runtime fn __cudaLaunchKernel_ptsz(kernel: *mut c_void, grid_dim: Dim3, block_dim: Dim3, args: *mut c_void, shared_mem: usize, stream: *mut c_void);
-    runtime fn cudaLaunchKernel_ptsz(func: *mut c_void, grid_dim: Dim3, block_dim: Dim3, args: *mut c_void, shared_mem: usize, stream: *mut c_void);
-    runtime fn cudaLaunchKernelExC_ptsz(config: *mut c_void, func: *mut c_void, args: *mut c_void);
-    runtime fn cudaLaunchCooperativeKernel_ptsz(func: *mut c_void, grid_dim: Dim3, block_dim: Dim3, args: *mut c_void, shared_mem: usize, stream: *mut c_void);
-    runtime fn cudaLaunchHostFunc_ptsz(stream: *mut c_void, func: *mut c_void, user_data: *mut c_void);
-    runtime fn cudaGraphLaunch_ptsz(graph_exec: *mut c_void, stream: *mut c_void);
-    runtime fn cudaMemsetAsync_ptsz(dev_ptr: *mut c_void, value: c_int, count: usize, stream: *mut c_void);
-    runtime fn cudaMemset2DAsync_ptsz(dev_ptr: *mut c_void, pitch: usize, value: c_int, width: usize, height: usize, stream: *mut c_void);
-    runtime fn cudaMemcpy2DAsync_ptsz(dst: *mut c_void, dpitch: usize, src: *mut c_void, spitch: usize, width: usize, height: usize, kind: c_int, stream: *mut c_void);
-    runtime fn cudaMemcpy3DAsync_ptsz(p: *mut c_void, stream: *mut c_void);
-    runtime fn cudaStreamSynchronize_ptsz(stream: *mut c_void);
-    runtime fn cudaStreamQuery_ptsz(stream: *mut c_void);
-    runtime fn cudaStreamWaitEvent_ptsz(stream: *mut c_void, event: *mut c_void, flags: c_uint);
-    runtime fn cudaStreamBeginCapture_ptsz(stream: *mut c_void, mode: c_int);
-    runtime fn cudaEventRecord_ptsz(event: *mut c_void, stream: *mut c_void);
-    runtime fn cudaMemset_ptds(dev_ptr: *mut c_void, value: c_int, count: usize);
-    runtime fn cudaMemset2D_ptds(dev_ptr: *mut c_void, pitch: usize, value: c_int, width: usize, height: usize);
-    runtime fn cudaMemcpy2D_ptds(dst: *mut c_void, dpitch: usize, src: *mut c_void, spitch: usize, width: usize, height: usize, kind: c_int);
-    runtime fn cudaMemcpy3D_ptds(p: *mut c_void);
-    runtime fn cudaMemcpyToSymbol_ptds(symbol: *mut c_void, src: *mut c_void, count: usize, offset: usize, kind: c_int);
-    runtime fn cudaMemcpyFromSymbol_ptds(dst: *mut c_void, symbol: *mut c_void, count: usize, offset: usize, kind: c_int);
-    runtime fn cudaMemset3DAsync(pitched_dev_ptr: PitchedPtr, value: c_int, extent: Extent, stream: *mut c_void);
-    runtime fn cudaMemset3DAsync_ptsz(pitched_dev_ptr: PitchedPtr, value: c_int, extent: Extent, stream: *mut c_void);
-    runtime fn cudaMemcpy3DPeerAsync(p: *mut c_void, stream: *mut c_void);
-    runtime fn cudaMemcpy3DPeerAsync_ptsz(p: *mut c_void, stream: *mut c_void);
-    runtime fn cudaMemcpy2DToArrayAsync(dst: *mut c_void, w_offset: usize, h_offset: usize, src: *mut c_void, spitch: usize, width: usize, height: usize, kind: c_int, stream: *mut c_void);
-    runtime fn cudaMemcpy2DToArrayAsync_ptsz(dst: *mut c_void, w_offset: usize, h_offset: usize, src: *mut c_void, spitch: usize, width: usize, height: usize, kind: c_int, stream: *mut c_void);
-    runtime fn cudaMemcpy2DFromArrayAsync(dst: *mut c_void, dpitch: usize, src: *mut c_void, w_offset: usize, h_offset: usize, width: usize, height: usize, kind: c_int, stream: *mut c_void);
-    runtime fn cudaMemcpy2DFromArrayAsync_ptsz(dst: *mut c_void, dpitch: usize, src: *mut c_void, w_offset: usize, h_offset: usize, width: usize, height: usize, kind: c_int, stream: *mut c_void);
-    runtime fn cudaMemcpyToArrayAsync(dst: *mut c_void, w_offset: usize, h_offset: usize, src: *mut c_void, count: usize, kind: c_int, stream: *mut c_void);
-    runtime fn cudaMemcpyToArrayAsync_ptsz(dst: *mut c_void, w_offset: usize, h_offset: usize, src: *mut c_void, count: usize, kind: c_int, stream: *mut c_void);
-    runtime fn cudaMemcpyFromArrayAsync(dst: *mut c_void, src: *mut c_void, w_offset: usize, h_offset: usize, count: usize, kind: c_int, stream: *mut c_void);
-    runtime fn cudaMemcpyFromArrayAsync_ptsz(dst: *mut c_void, src: *mut c_void, w_offset: usize, h_offset: usize, count: usize, kind: c_int, stream: *mut c_void);
-    runtime fn cudaMemcpyToSymbolAsync(symbol: *mut c_void, src: *mut c_void, count: usize, offset: usize, kind: c_int, stream: *mut c_void);
-    runtime fn cudaMemcpyToSymbolAsync_ptsz(symbol: *mut c_void, src: *mut c_void, count: usize, offset: usize, kind: c_int, stream: *mut c_void);
-    runtime fn cudaMemcpyFromSymbolAsync(dst: *mut c_void, symbol: *mut c_void, count: usize, offset: usize, kind: c_int, stream: *mut c_void);
-    runtime fn cudaMemcpyFromSymbolAsync_ptsz(dst: *mut c_void, symbol: *mut c_void, count: usize, offset: usize, kind: c_int, stream: *mut c_void);
-    runtime fn cudaMemcpyBatchAsync(dsts: *mut c_void, srcs: *mut c_void, sizes: *mut c_void, count: usize, attrs: *mut c_void, attrs_idxs: *mut c_void, num_attrs: usize, stream: *mut c_void);
-    runtime fn cudaMemcpyBatchAsync_ptsz(dsts: *mut c_void, srcs: *mut c_void, sizes: *mut c_void, count: usize, attrs: *mut c_void, attrs_idxs: *mut c_void, num_attrs: usize, stream: *mut c_void);
-    runtime fn cudaMemcpy3DBatchAsync(num_ops: usize, op_list: *mut c_void, flags: u64, stream: *mut c_void);
-    runtime fn cudaMemcpy3DBatchAsync_ptsz(num_ops: usize, op_list: *mut c_void, flags: u64, stream: *mut c_void);
-    runtime fn cudaEventRecordWithFlags(event: *mut c_void, stream: *mut c_void, flags: c_uint);
-    runtime fn cudaEventRecordWithFlags_ptsz(event: *mut c_void, stream: *mut c_void, flags: c_uint);
-    runtime fn cudaStreamAddCallback(stream: *mut c_void, callback: *mut c_void, user_data: *mut c_void, flags: c_uint);
-    runtime fn cudaStreamAddCallback_ptsz(stream: *mut c_void, callback: *mut c_void, user_data: *mut c_void, flags: c_uint);
-    runtime fn cudaStreamBeginCaptureToGraph(stream: *mut c_void, graph: *mut c_void, dependencies: *mut c_void, dependency_data: *mut c_void, num_dependencies: usize, mode: c_int);
-    runtime fn cudaStreamBeginCaptureToGraph_ptsz(stream: *mut c_void, graph: *mut c_void, dependencies: *mut c_void, dependency_data: *mut c_void, num_dependencies: usize, mode: c_int);
-    runtime fn cudaSignalExternalSemaphoresAsync(ext_sem_array: *mut c_void, params_array: *mut c_void, num_ext_sems: c_uint, stream: *mut c_void);
-    runtime fn cudaSignalExternalSemaphoresAsync_ptsz(ext_sem_array: *mut c_void, params_array: *mut c_void, num_ext_sems: c_uint, stream: *mut c_void);
-    runtime fn cudaWaitExternalSemaphoresAsync(ext_sem_array: *mut c_void, params_array: *mut c_void, num_ext_sems: c_uint, stream: *mut c_void);
-    runtime fn cudaWaitExternalSemaphoresAsync_ptsz(ext_sem_array: *mut c_void, params_array: *mut c_void, num_ext_sems: c_uint, stream: *mut c_void);
-    runtime fn cudaMemset3D(pitched_dev_ptr: PitchedPtr, value: c_int, extent: Extent);
-    runtime fn cudaMemset3D_ptds(pitched_dev_ptr: PitchedPtr, value: c_int, extent: Extent);
-    runtime fn cudaMemcpy3DPeer(p: *mut c_void);
-    runtime fn cudaMemcpy3DPeer_ptds(p: *mut c_void);
-    runtime fn cudaMemcpy2DToArray(dst: *mut c_void, w_offset: usize, h_offset: usize, src: *mut c_void, spitch: usize, width: usize, height: usize, kind: c_int);
-    runtime fn cudaMemcpy2DToArray_ptds(dst: *mut c_void, w_offset: usize, h_offset: usize, src: *mut c_void, spitch: usize, width: usize, height: usize, kind: c_int);
-    runtime fn cudaMemcpy2DFromArray(dst: *mut c_void, dpitch: usize, src: *mut c_void, w_offset: usize, h_offset: usize, width: usize, height: usize, kind: c_int);
-    runtime fn cudaMemcpy2DFromArray_ptds(dst: *mut c_void, dpitch: usize, src: *mut c_void, w_offset: usize, h_offset: usize, width: usize, height: usize, kind: c_int);
-    runtime fn cudaMemcpy2DArrayToArray(dst: *mut c_void, w_offset_dst: usize, h_offset_dst: usize, src: *mut c_void, w_offset_src: usize, h_offset_src: usize, width: usize, height: usize, kind: c_int);
-    runtime fn cudaMemcpy2DArrayToArray_ptds(dst: *mut c_void, w_offset_dst: usize, h_offset_dst: usize, src: *mut c_void, w_offset_src: usize, h_offset_src: usize, width: usize, height: usize, kind: c_int);
-    runtime fn cudaMemcpyToArray(dst: *mut c_void, w_offset: usize, h_offset: usize, src: *mut c_void, count: usize, kind: c_int);
-    runtime fn cudaMemcpyToArray_ptds(dst: *mut c_void, w_offset: usize, h_offset: usize, src: *mut c_void, count: usize, kind: c_int);
-    runtime fn cudaMemcpyFromArray(dst: *mut c_void, src: *mut c_void, w_offset: usize, h_offset: usize, count: usize, kind: c_int);
-    runtime fn cudaMemcpyFromArray_ptds(dst: *mut c_void, src: *mut c_void, w_offset: usize, h_offset: usize, count: usize, kind: c_int);
-    runtime fn cudaMemcpyArrayToArray(dst: *mut c_void, w_offset_dst: usize, h_offset_dst: usize, src: *mut c_void, w_offset_src: usize, h_offset_src: usize, count: usize, kind: c_int);
-    runtime fn cudaMemcpyArrayToArray_ptds(dst: *mut c_void, w_offset_dst: usize, h_offset_dst: usize, src: *mut c_void, w_offset_src: usize, h_offset_src: usize, count: usize, kind: c_int);
-    driver fn cuLaunchKernel_ptsz(f: *mut c_void, grid_dim_x: c_uint, grid_dim_y: c_uint, grid_dim_z: c_uint, block_dim_x: c_uint, block_dim_y: c_uint, block_dim_z: c_uint, shared_mem_bytes: c_uint, h_stream: *mut c_void, kernel_params: *mut c_void, extra: *mut c_void);
-    driver fn cuLaunchKernelEx_ptsz(config: *mut c_void, f: *mut c_void, kernel_params: *mut c_void, extra: *mut c_void);
-    driver fn cuLaunchCooperativeKernel_ptsz(f: *mut c_void, grid_dim_x: c_uint, grid_dim_y: c_uint, grid_dim_z: c_uint, block_dim_x: c_uint, block_dim_y: c_uint, block_dim_z: c_uint, shared_mem_bytes: c_uint, h_stream: *mut c_void, kernel_params: *mut c_void);
-    driver fn cuGraphLaunch_ptsz(h_graph_exec: *mut c_void, h_stream: *mut c_void);
-    driver fn cuMemcpyAsync_ptsz(dst: DevicePtr, src: DevicePtr, byte_count: usize, h_stream: *mut c_void);
-    driver fn cuMemcpyDtoDAsync_v2_ptsz(dst_device: DevicePtr, src_device: DevicePtr, byte_count: usize, h_stream: *mut c_void);
-    driver fn cuMemcpyHtoDAsync_v2_ptsz(dst_device: DevicePtr, src_host: *mut c_void, byte_count: usize, h_stream: *mut c_void);
-    driver fn cuMemcpyDtoHAsync_v2_ptsz(dst_host: *mut c_void, src_device: DevicePtr, byte_count: usize, h_stream: *mut c_void);
-    driver fn cuMemsetD8Async_ptsz(dst_device: DevicePtr, uc: u8, n: usize, h_stream: *mut c_void);
-    driver fn cuMemsetD32Async_ptsz(dst_device: DevicePtr, ui: c_uint, n: usize, h_stream: *mut c_void);
-    driver fn cuStreamSynchronize_ptsz(h_stream: *mut c_void);
-    driver fn cuMemcpy_ptds(dst: DevicePtr, src: DevicePtr, byte_count: usize);
-    driver fn cuMemcpyDtoD_v2_ptds(dst_device: DevicePtr, src_device: DevicePtr, byte_count: usize);
-    driver fn cuMemcpyHtoD_v2_ptds(dst_device: DevicePtr, src_host: *mut c_void, byte_count: usize);
-    driver fn cuMemcpyDtoH_v2_ptds(dst_host: *mut c_void, src_device: DevicePtr, byte_count: usize);
-    driver fn cuMemsetD8_v2_ptds(dst_device: DevicePtr, uc: u8, n: usize);
-    driver fn cuMemsetD32_v2_ptds(dst_device: DevicePtr, ui: c_uint, n: usize);
-    driver fn cuLaunchHostFunc(h_stream: *mut c_void, func: *mut c_void, user_data: *mut c_void);
-    driver fn cuLaunchHostFunc_ptsz(h_stream: *mut c_void, func: *mut c_void, user_data: *mut c_void);
-    driver fn cuMemcpyPeerAsync(dst_device: DevicePtr, dst_context: *mut c_void, src_device: DevicePtr, src_context: *mut c_void, byte_count: usize, h_stream: *mut c_void);
-    driver fn cuMemcpyPeerAsync_ptsz(dst_device: DevicePtr, dst_context: *mut c_void, src_device: DevicePtr, src_context: *mut c_void, byte_count: usize, h_stream: *mut c_void);
-    driver fn cuMemcpyHtoAAsync_v2(dst_array: *mut c_void, dst_offset: usize, src_host: *mut c_void, byte_count: usize, h_stream: *mut c_void);
-    driver fn cuMemcpyHtoAAsync_v2_ptsz(dst_array: *mut c_void, dst_offset: usize, src_host: *mut c_void, byte_count: usize, h_stream: *mut c_void);
-    driver fn cuMemcpyAtoHAsync_v2(dst_host: *mut c_void, src_array: *mut c_void, src_offset: usize, byte_count: usize, h_stream: *mut c_void);
-    driver fn cuMemcpyAtoHAsync_v2_ptsz(dst_host: *mut c_void, src_array: *mut c_void, src_offset: usize, byte_count: usize, h_stream: *mut c_void);
-    driver fn cuMemcpy2DAsync_v2(p_copy: *mut c_void, h_stream: *mut c_void);
-    driver fn cuMemcpy2DAsync_v2_ptsz(p_copy: *mut c_void, h_stream: *mut c_void);
-    driver fn cuMemcpy3DAsync_v2(p_copy: *mut c_void, h_stream: *mut c_void);
-    driver fn cuMemcpy3DAsync_v2_ptsz(p_copy: *mut c_void, h_stream: *mut c_void);
-    driver fn cuMemcpy3DPeerAsync(p_copy: *mut c_void, h_stream: *mut c_void);
-    driver fn cuMemcpy3DPeerAsync_ptsz(p_copy: *mut c_void, h_stream: *mut c_void);
-    driver fn cuMemcpyBatchAsync_v2(dsts: *mut c_void, srcs: *mut c_void, sizes: *mut c_void, count: usize, attrs: *mut c_void, attrs_idxs: *mut c_void, num_attrs: usize, h_stream: *mut c_void);
-    driver fn cuMemcpyBatchAsync_v2_ptsz(dsts: *mut c_void, srcs: *mut c_void, sizes: *mut c_void, count: usize, attrs: *mut c_void, attrs_idxs: *mut c_void, num_attrs: usize, h_stream: *mut c_void);
-    driver fn cuMemcpy3DBatchAsync_v2(num_ops: usize, op_list: *mut c_void, flags: u64, h_stream: *mut c_void);
-    driver fn cuMemcpy3DBatchAsync_v2_ptsz(num_ops: usize, op_list: *mut c_void, flags: u64, h_stream: *mut c_void);
-    driver fn cuMemsetD16Async(dst_device: DevicePtr, us: u16, n: usize, h_stream: *mut c_void);
-    driver fn cuMemsetD16Async_ptsz(dst_device: DevicePtr, us: u16, n: usize, h_stream: *mut c_void);
-    driver fn cuMemsetD2D8Async(dst_device: DevicePtr, dst_pitch: usize, uc: u8, width: usize, height: usize, h_stream: *mut c_void);
-    driver fn cuMemsetD2D8Async_ptsz(dst_device: DevicePtr, dst_pitch: usize, uc: u8, width: usize, height: usize, h_stream: *mut c_void);
-    driver fn cuMemsetD2D16Async(dst_device: DevicePtr, dst_pitch: usize, us: u16, width: usize, height: usize, h_stream: *mut c_void);
-    driver fn cuMemsetD2D16Async_ptsz(dst_device: DevicePtr, dst_pitch: usize, us: u16, width: usize, height: usize, h_stream: *mut c_void);
-    driver fn cuMemsetD2D32Async(dst_device: DevicePtr, dst_pitch: usize, ui: c_uint, width: usize, height: usize, h_stream: *mut c_void);
-    driver fn cuMemsetD2D32Async_ptsz(dst_device: DevicePtr, dst_pitch: usize, ui: c_uint, width: usize, height: usize, h_stream: *mut c_void);
-    driver fn cuStreamWriteValue32_v2(stream: *mut c_void, addr: DevicePtr, value: u32, flags: c_uint);
-    driver fn cuStreamWriteValue32_v2_ptsz(stream: *mut c_void, addr: DevicePtr, value: u32, flags: c_uint);
-    driver fn cuStreamWriteValue64_v2(stream: *mut c_void, addr: DevicePtr, value: u64, flags: c_uint);
-    driver fn cuStreamWriteValue64_v2_ptsz(stream: *mut c_void, addr: DevicePtr, value: u64, flags: c_uint);
-    driver fn cuStreamWaitValue32_v2(stream: *mut c_void, addr: DevicePtr, value: u32, flags: c_uint);
-    driver fn cuStreamWaitValue32_v2_ptsz(stream: *mut c_void, addr: DevicePtr, value: u32, flags: c_uint);
-    driver fn cuStreamWaitValue64_v2(stream: *mut c_void, addr: DevicePtr, value: u64, flags: c_uint);
-    driver fn cuStreamWaitValue64_v2_ptsz(stream: *mut c_void, addr: DevicePtr, value: u64, flags: c_uint);
-    driver fn cuStreamBatchMemOp_v2(stream: *mut c_void, count: c_uint, param_array: *mut c_void, flags: c_uint);
-    driver fn cuStreamBatchMemOp_v2_ptsz(stream: *mut c_void, count: c_uint, param_array: *mut c_void, flags: c_uint);
-    driver fn cuStreamQuery(h_stream: *mut c_void);
-    driver fn cuStreamQuery_ptsz(h_stream: *mut c_void);
-    driver fn cuStreamWaitEvent(h_stream: *mut c_void, h_event: *mut c_void, flags: c_uint);
-    driver fn cuStreamWaitEvent_ptsz(h_stream: *mut c_void, h_event: *mut c_void, flags: c_uint);
-    driver fn cuEventRecord(h_event: *mut c_void, h_stream: *mut c_void);
-    driver fn cuEventRecord_ptsz(h_event: *mut c_void, h_stream: *mut c_void);
-    driver fn cuEventRecordWithFlags(h_event: *mut c_void, h_stream: *mut c_void, flags: c_uint);
-    driver fn cuEventRecordWithFlags_ptsz(h_event: *mut c_void, h_stream: *mut c_void, flags: c_uint);
-    driver fn cuStreamAddCallback(h_stream: *mut c_void, callback: *mut c_void, user_data: *mut c_void, flags: c_uint);
-    driver fn cuStreamAddCallback_ptsz(h_stream: *mut c_void, callback: *mut c_void, user_data: *mut c_void, flags: c_uint);
-    driver fn cuStreamBeginCapture_v2(h_stream: *mut c_void, mode: c_int);
-    driver fn cuStreamBeginCapture_v2_ptsz(h_stream: *mut c_void, mode: c_int);
-    driver fn cuStreamBeginCaptureToGraph(h_stream: *mut c_void, h_graph: *mut c_void, dependencies: *mut c_void, dependency_data: *mut c_void, num_dependencies: usize, mode: c_int);
-    driver fn cuStreamBeginCaptureToGraph_ptsz(h_stream: *mut c_void, h_graph: *mut c_void, dependencies: *mut c_void, dependency_data: *mut c_void, num_dependencies: usize, mode: c_int);
-    driver fn cuSignalExternalSemaphoresAsync(ext_sem_array: *mut c_void, params_array: *mut c_void, num_ext_sems: c_uint, stream: *mut c_void);
-    driver fn cuSignalExternalSemaphoresAsync_ptsz(ext_sem_array: *mut c_void, params_array: *mut c_void, num_ext_sems: c_uint, stream: *mut c_void);
-    driver fn cuWaitExternalSemaphoresAsync(ext_sem_array: *mut c_void, params_array: *mut c_void, num_ext_sems: c_uint, stream: *mut c_void);
-    driver fn cuWaitExternalSemaphoresAsync_ptsz(ext_sem_array: *mut c_void, params_array: *mut c_void, num_ext_sems: c_uint, stream: *mut c_void);
-    driver fn cuMemBatchDecompressAsync(params_array: *mut c_void, count: usize, flags: c_uint, error_index: *mut c_void, stream: *mut c_void);
-    driver fn cuMemBatchDecompressAsync_ptsz(params_array: *mut c_void, count: usize, flags: c_uint, error_index: *mut c_void, stream: *mut c_void);
-    driver fn cuMemcpyPeer(dst_device: DevicePtr, dst_context: *mut c_void, src_device: DevicePtr, src_context: *mut c_void, byte_count: usize);
-    driver fn cuMemcpyPeer_ptds(dst_device: DevicePtr, dst_context: *mut c_void, src_device: DevicePtr, src_context: *mut c_void, byte_count: usize);
-    driver fn cuMemcpyDtoA_v2(dst_array: *mut c_void, dst_offset: usize, src_device: DevicePtr, byte_count: usize);
-    driver fn cuMemcpyDtoA_v2_ptds(dst_array: *mut c_void, dst_offset: usize, src_device: DevicePtr, byte_count: usize);
-    driver fn cuMemcpyAtoD_v2(dst_device: DevicePtr, src_array: *mut c_void, src_offset: usize, byte_count: usize);
-    driver fn cuMemcpyAtoD_v2_ptds(dst_device: DevicePtr, src_array: *mut c_void, src_offset: usize, byte_count: usize);
-    driver fn cuMemcpyHtoA_v2(dst_array: *mut c_void, dst_offset: usize, src_host: *mut c_void, byte_count: usize);
-    driver fn cuMemcpyHtoA_v2_ptds(dst_array: *mut c_void, dst_offset: usize, src_host: *mut c_void, byte_count: usize);
-    driver fn cuMemcpyAtoH_v2(dst_host: *mut c_void, src_array: *mut c_void, src_offset: usize, byte_count: usize);
-    driver fn cuMemcpyAtoH_v2_ptds(dst_host: *mut c_void, src_array: *mut c_void, src_offset: usize, byte_count: usize);
-    driver fn cuMemcpyAtoA_v2(dst_array: *mut c_void, dst_offset: usize, src_array: *mut c_void, src_offset: usize, byte_count: usize);
-    driver fn cuMemcpyAtoA_v2_ptds(dst_array: *mut c_void, dst_offset: usize, src_array: *mut c_void, src_offset: usize, byte_count: usize);
-    driver fn cuMemcpy2D_v2(p_copy: *mut c_void);
-    driver fn cuMemcpy2D_v2_ptds(p_copy: *mut c_void);
-    driver fn cuMemcpy2DUnaligned_v2(p_copy: *mut c_void);
-    driver fn cuMemcpy2DUnaligned_v2_ptds(p_copy: *mut c_void);
-    driver fn cuMemcpy3D_v2(p_copy: *mut c_void);
-    driver fn cuMemcpy3D_v2_ptds(p_copy: *mut c_void);
-    driver fn cuMemcpy3DPeer(p_copy: *mut c_void);
-    driver fn cuMemcpy3DPeer_ptds(p_copy: *mut c_void);
-    driver fn cuMemsetD16_v2(dst_device: DevicePtr, us: u16, n: usize);
-    driver fn cuMemsetD16_v2_ptds(dst_device: DevicePtr, us: u16, n: usize);
-    driver fn cuMemsetD2D8_v2(dst_device: DevicePtr, dst_pitch: usize, uc: u8, width: usize, height: usize);
-    driver fn cuMemsetD2D8_v2_ptds(dst_device: DevicePtr, dst_pitch: usize, uc: u8, width: usize, height: usize);
-    driver fn cuMemsetD2D16_v2(dst_device: DevicePtr, dst_pitch: usize, us: u16, width: usize, height: usize);
-    driver fn cuMemsetD2D16_v2_ptds(dst_device: DevicePtr, dst_pitch: usize, us: u16, width: usize, height: usize);
-    driver fn cuMemsetD2D32_v2(dst_device: DevicePtr, dst_pitch: usize, ui: c_uint, width: usize, height: usize);
-    driver fn cuMemsetD2D32_v2_ptds(dst_device: DevicePtr, dst_pitch: usize, ui: c_uint, width: usize, height: usize);
-    driver fn cuEventSynchronize(h_event: *mut c_void);
-    driver fn cuEventQuery(h_event: *mut c_void);
-    driver fn cuCtxSynchronize_v2(ctx: *mut c_void);
-    driver fn cuLaunchCooperativeKernelMultiDevice(launch_params_list: *mut c_void, num_devices: c_uint, flags: c_uint);
+macro_rules! runtime_flush_points {
+    ($( $name:ident($($arg:ident: $ty:ty),* $(,)?); )*) => {
+        flush_hooks! { runtime_flush_hook; $( runtime fn $name($($arg: $ty),*); )* }
+    };
+}
+
+macro_rules! driver_flush_points {
+    ($( $name:ident($($arg:ident: $ty:ty),* $(,)?); )*) => {
+        flush_hooks! { driver_flush_hook; $( driver fn $name($($arg: $ty),*); )* }
+    };
+}
+
+include!("../cuda/flush_points.rs");
+
+/// The flush-point hook named `name`, as a pointer to hand out from lookups.
+fn flush_hook(name: &str) -> Option<*mut c_void> {
+    driver_flush_hook(name).or_else(|| runtime_flush_hook(name))
 }
 
 /// The layer's hook for a hooked driver function, as a pointer to hand out from lookups.
@@ -1397,20 +1200,34 @@ mod tests {
     use std::collections::BTreeSet;
 
     #[test]
-    fn this_file_defines_exactly_the_symbol_table() {
-        let source = include_str!("ffi.rs");
-        let defined: BTreeSet<&str> = source
+    fn this_file_and_the_flush_points_define_exactly_the_symbol_table() {
+        let is_cuda_or_abi = |name: &&str| {
+            name.starts_with("cuda")
+                || name.starts_with("__cuda")
+                || name.starts_with("stablebuf_")
+                || (name.starts_with("cu")
+                    && name[2..].starts_with(|c: char| c.is_ascii_uppercase()))
+        };
+        // The hooks written out here, and those generated from `flush_points.rs`.
+        let mut defined: BTreeSet<&str> = include_str!("ffi.rs")
             .split("fn ")
             .skip(1)
             .filter_map(|rest| rest.split('(').next())
-            .filter(|name| {
-                name.starts_with("cuda")
-                    || name.starts_with("__cuda")
-                    || name.starts_with("stablebuf_")
-                    || (name.starts_with("cu")
-                        && name[2..].starts_with(|c: char| c.is_ascii_uppercase()))
-            })
+            .filter(is_cuda_or_abi)
             .collect();
+        let flush_points = include_str!("../cuda/flush_points.rs");
+        let generated: Vec<&str> = flush_points
+            .lines()
+            .filter(|line| line.starts_with("    ") && !line.trim_start().starts_with("//"))
+            .filter_map(|line| line.trim().split('(').next())
+            .filter(is_cuda_or_abi)
+            .collect();
+        for name in &generated {
+            assert!(
+                defined.insert(name),
+                "{name} is written out here and in flush_points.rs"
+            );
+        }
         let table: BTreeSet<&str> = symbols::exported().collect();
         assert_eq!(defined, table);
     }
