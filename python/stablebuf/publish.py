@@ -26,6 +26,14 @@ are done; a trainer that dies mid-write leaves the engine serving what it had bo
 half-written set goes back to the next trainer. One trainer per engine: a second is refused
 (:class:`PublishError`); a trainer publishes to several engines with one :class:`Trainer` each.
 Errors are subclasses of :class:`stablebuf.Error`; after one, both sides are as they were.
+
+Tensor parallelism: one engine per rank, each with its own trainer (the trainer's rank that
+holds the same shard), and ``group=`` a ``torch.distributed`` group of the engines' ranks
+(a gloo group keeps the agreement off the GPU: ``dist.new_group(backend="gloo")``). Every
+rank calls :meth:`Engine.poll` at the same step boundary; a version is then bound on every
+rank at that boundary or on none (:mod:`stablebuf._switcher` says how), so no step ever mixes
+two versions across ranks. ``keep_previous=True`` keeps the version bound before the last
+switch for :meth:`Engine.rollback` (one bind): one more set, so ``sets`` is at least 3.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ from ._native import (
     VersionConflict,
     WeightSet,
 )
+from ._switcher import ReduceMin, Switch, SwitchFailed, VersionSwitcher
 
 #: The manifest differs from what the trainer expects (an :class:`OfferMismatch`).
 ManifestMismatch = OfferMismatch
@@ -72,6 +81,25 @@ def _tensors_of(source: Any) -> Dict[str, Any]:
     return dict(source)
 
 
+def torch_reduce_min(group: Any) -> ReduceMin:
+    """The element-wise minimum of a few integers over ``group`` (a ``torch.distributed``
+    process group), as :class:`~stablebuf._switcher.VersionSwitcher` asks for it. On a gloo
+    group it stays on the host; on an NCCL group it runs on the current device and waits for
+    it."""
+    torch = cuda_torch()
+    import torch.distributed as dist
+
+    on_host = dist.get_backend(group) == "gloo"
+
+    def reduce_min(values: Sequence[int]) -> List[int]:
+        device = "cpu" if on_host else torch.device("cuda", torch.cuda.current_device())
+        t = torch.tensor(list(values), dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+        return [int(v) for v in t.tolist()]
+
+    return reduce_min
+
+
 def _wait_for_message(channel: Any, deadline: Optional[float], what: str) -> None:
     while not channel.message_waiting():
         if deadline is not None and time.monotonic() > deadline:
@@ -85,16 +113,32 @@ class Engine:
 
     ``tensors`` is the model (its ``state_dict``) or a mapping name → tensor; every tensor must
     live in the region. ``sets`` must be at least 2 (a double buffer): the trainer writes one
-    while the engine serves the other.
+    while the engine serves the other; 3 with ``keep_previous`` (the version before the last
+    switch stays resident for :meth:`rollback`). Each set is one more copy of the weights in
+    device memory.
+
+    ``group``: the ``torch.distributed`` group of the tensor-parallel ranks' engines; every
+    switch and rollback is then made on every rank or on none, and every rank must call
+    :meth:`poll`, :meth:`rollback`, :meth:`sleep` and :meth:`wake` at the same step boundary.
     """
 
     #: Seconds a connecting trainer has to import the sets before it is dropped.
     handshake_timeout = 60.0
 
-    def __init__(self, tag: str, path: str, tensors: Any, *, sets: int = 2) -> None:
-        if sets < 2:
+    def __init__(
+        self,
+        tag: str,
+        path: str,
+        tensors: Any,
+        *,
+        sets: int = 2,
+        keep_previous: bool = False,
+        group: Any = None,
+    ) -> None:
+        if sets < 2 + keep_previous:
             raise ValueError(
-                f"sets={sets}: at least 2 (the trainer writes one, the engine serves one)"
+                f"sets={sets}: at least {2 + keep_previous} (the trainer writes one, the engine "
+                "serves one" + (", and keeps the previous version)" if keep_previous else ")")
             )
         torch = cuda_torch()
         self.tag = tag
@@ -126,11 +170,15 @@ class Engine:
         self._listener = _native.PublishListener(path)
         self._channel: Optional[Any] = None
         self._versions = VersionBook()
-        #: The id of the set bound now, if it is one of ours (not the region's own backing).
-        self._bound_id: Optional[int] = None
-        #: While asleep: the newest committed set, to wake onto.
-        self._pending: Optional[tuple] = None
-        self._bound_version = 0
+        self._group = group
+        # Committed, bound and kept sets, and the group's agreement on each switch. Before the
+        # first switch the region's own backing is bound (`bound` is None): asked for only
+        # when a rollback or a refused switch needs it back.
+        self._switcher = VersionSwitcher(
+            lambda: _native.bound(tag),
+            keep_previous=keep_previous,
+            reduce_min=None if group is None else torch_reduce_min(group),
+        )
         self._asleep = False
 
     # ----------------------------------------------------------------- state
@@ -142,7 +190,7 @@ class Engine:
     @property
     def version(self) -> int:
         """The version bound now (0: the weights the engine started with)."""
-        return self._bound_version
+        return self._switcher.version
 
     @property
     def connected(self) -> bool:
@@ -156,7 +204,18 @@ class Engine:
     @property
     def bound_set(self) -> Optional[WeightSet]:
         """The spare set bound now, or ``None`` while the region's own backing is."""
-        return None if self._bound_id is None else self._by_id[self._bound_id]
+        bound = self._switcher.bound
+        return bound if bound is not None and self._is_spare(bound) else None
+
+    @property
+    def ready_versions(self) -> List[int]:
+        """Committed versions not bound yet (a group binds one once every rank has it)."""
+        return sorted(self._switcher.ready)
+
+    def _is_spare(self, weight_set: Any) -> bool:
+        """Whether ``weight_set`` is one of the sets offered to trainers (not the region's own
+        backing)."""
+        return self._by_id.get(getattr(weight_set, "id", None)) is weight_set
 
     # ----------------------------------------------------------------- trainer connection
 
@@ -200,16 +259,14 @@ class Engine:
                 # A trainer that never answers must not hang the serving loop.
                 _wait_for_message(channel, deadline, "the trainer to import the weight sets")
                 channel.wait_ack(ws.id)
+            held = {id(h) for h in self._switcher.held()}
             for ws in self._sets:
-                if ws.id != self._bound_id and not self._is_pending(ws.id):
+                if id(ws) not in held:
                     channel.send("released", set=ws.id)
         except PublishError:  # PeerClosed, OfferMismatch, PublishTimeout included
             channel.close()
             raise
         self._channel = channel
-
-    def _is_pending(self, set_id: int) -> bool:
-        return self._pending is not None and self._pending[0] == set_id
 
     def _drop_trainer(self) -> None:
         if self._channel is not None:
@@ -219,63 +276,102 @@ class Engine:
     # ----------------------------------------------------------------- serving
 
     def poll(self) -> Optional[int]:
-        """Call at a step boundary (never blocks for long): accepts a trainer, and binds the
-        newest committed version (one remap; the region's graphs replay on it from the next
-        replay). Returns the version bound by this call, or ``None``.
+        """Call at a step boundary (never blocks for long): accepts a trainer, takes its
+        commits, and binds the newest committed version (one remap; the region's graphs replay
+        on it from the next replay). Returns the version bound by this call, or ``None``.
+
+        With a ``group``, every rank calls it at the same boundary, and a version is bound
+        once every rank has it, on every rank or on none; a rank's error is raised after the
+        group's decision, so one rank's trouble never leaves the others waiting.
 
         Raises :class:`PeerClosed` once when the trainer went away (the engine keeps serving
         what it had bound; a new trainer may connect), :class:`VersionConflict` for a commit
-        that is not newer (the set goes back to the trainer)."""
-        self._accept_pending()
+        that is not newer (the set goes back to the trainer), :class:`PublishError` when a
+        bind failed (here or, with a group, on another rank; every rank keeps its version)."""
+        problem: Optional[BaseException] = None
+        try:
+            self._accept_pending()
+            self._take_commits()
+        except PublishError as error:  # PeerClosed and VersionConflict included
+            problem = error
+        switched = None
+        if not self._asleep:
+            try:
+                switched = self._apply(self._switcher.step(self._bind))
+            except SwitchFailed as failed:
+                problem = problem or PublishError(str(failed))
+        elif self._group is None:
+            # Asleep, the newest commit waits for the wake; older ones go back to the trainer,
+            # which may go on publishing. (A group keeps them: a rank may lack the newest.)
+            self._apply(Switch(None, self._switcher.keep_newest()))
+        if problem is not None:
+            raise problem
+        return switched
+
+    def rollback(self) -> int:
+        """Binds the version bound before the last switch again (one remap; with a
+        ``group``, on every rank or on none) and returns it. Needs ``keep_previous=True``;
+        one step back only. The set left goes back to the trainer; versions committed since
+        stay ready, and the next :meth:`poll` binds the newest of them, so stop the trainer
+        first to stay on the old version."""
+        if self._asleep:
+            raise PublishError(f"engine `{self.tag}` is asleep: wake it before a rollback")
+        try:
+            switch = self._switcher.rollback(self._bind)
+        except SwitchFailed as failed:
+            raise PublishError(str(failed)) from failed
+        self._apply(switch)
+        return self._switcher.version
+
+    def _take_commits(self) -> None:
+        """Reads every waiting message; commits become ready versions."""
         channel = self._channel
-        if channel is None:
-            return None
-        bound = None
-        while channel.message_waiting():
+        while channel is not None and channel.message_waiting():
             try:
                 kind, set_id, version, reason = channel.receive()
             except PeerClosed:
                 self._drop_trainer()
                 raise
             if kind == "commit":
-                bound = self._on_commit(set_id, version) or bound
+                self._on_commit(set_id, version)
             elif kind == "reject":
                 self._drop_trainer()
                 raise PublishError(f"the trainer refused: {reason}")
             else:
                 self._drop_trainer()
                 raise PublishError(f"protocol: a `{kind}` message from the trainer")
-        return bound
 
-    def _on_commit(self, set_id: int, version: int) -> Optional[int]:
+    def _on_commit(self, set_id: int, version: int) -> None:
         ws = self._by_id.get(set_id)
-        if ws is None or set_id == self._bound_id:
+        if ws is None or any(ws is held for held in self._switcher.held()):
             self._drop_trainer()
             raise PublishError(f"the trainer committed set {set_id}, which it may not write")
         problem = self._versions.problem(version)
         if problem is not None:
             self._channel.send("released", set=set_id)  # the trainer may write it again
             raise VersionConflict(problem)
-        if self._asleep:
-            if self._pending is not None:
-                self._channel.send("released", set=self._pending[0])
-            self._pending = (set_id, version)
-            self._versions.advance(version)
-            return None
-        with _guard.REMAPS:  # never between another thread's check and launch
-            _native.bind(self.tag, ws)
         self._versions.advance(version)
-        self._switched_to(set_id, version)
-        return version
+        self._switcher.committed(ws, version)
 
-    def _switched_to(self, set_id: int, version: int) -> None:
-        previous, self._bound_id = self._bound_id, set_id
-        self._bound_version = version
-        if previous is not None and previous != set_id and self._channel is not None:
-            try:
-                self._channel.send("released", set=previous)
-            except PeerClosed:
-                self._drop_trainer()
+    def _bind(self, weight_set: Any) -> None:
+        with _guard.REMAPS:  # never between another thread's check and launch
+            _native.bind(self.tag, weight_set)
+
+    def _wake_onto(self, weight_set: Any) -> None:
+        with _guard.REMAPS:
+            _native.wake_onto(self.tag, weight_set)
+
+    def _apply(self, switch: Switch) -> Optional[int]:
+        """Hands the sets a switch released back to the trainer; returns the version bound."""
+        for weight_set in switch.released:
+            if self._channel is None:
+                break  # the next trainer gets every set the engine does not hold
+            if self._is_spare(weight_set):
+                try:
+                    self._channel.send("released", set=weight_set.id)
+                except PeerClosed:
+                    self._drop_trainer()
+        return switch.version
 
     # ----------------------------------------------------------------- colocation
 
@@ -287,26 +383,30 @@ class Engine:
 
     def wake(self) -> int:
         """Wakes onto the newest committed set (one mapping, no copy), else onto the set bound
-        before the sleep; returns the version now bound. Polls first."""
+        before the sleep; returns the version now bound. Polls first. With a ``group`` it
+        wakes onto the set bound before the sleep, and the next :meth:`poll` switches on every
+        rank together."""
         with contextlib.suppress(PeerClosed):
             self.poll()
         if not self._asleep:
-            return self._bound_version
-        if self._pending is not None:
-            set_id, version = self._pending
-            with _guard.REMAPS:
-                _native.wake_onto(self.tag, self._by_id[set_id])
-            self._pending = None
+            return self.version
+        switcher = self._switcher
+        if self._group is None and switcher.ready:
+            try:
+                # The region's own backing was discarded by the sleep: neither kept nor
+                # handed back.
+                switch = switcher.step(self._wake_onto, before_is_gone=switcher.bound is None)
+            except SwitchFailed as failed:
+                raise PublishError(str(failed)) from failed
             self._asleep = False
-            self._switched_to(set_id, version)
-            return version
-        if self._bound_id is not None:
-            with _guard.REMAPS:
-                _native.wake_onto(self.tag, self._by_id[self._bound_id])
+            self._apply(switch)
+            return self.version
+        if switcher.bound is not None:
+            self._wake_onto(switcher.bound)
         else:
             _sleep.wake(self.tag)  # the region's own backing: its contents were discarded
         self._asleep = False
-        return self._bound_version
+        return self.version
 
     def close(self) -> None:
         """Disconnects the trainer and stops listening (the sets stay bound or held)."""
