@@ -31,7 +31,7 @@ wheel="${1:?usage: python/run-gpu.sh [--multi] <stablebuf wheel> [<extra wheel f
 extra="${2:-}"
 logs="${OUT:-/tmp/stablebuf-python-logs}"
 mkdir -p "$logs"
-site=/tmp/site
+site="${SITE:-/tmp/site}" # SITE: another folder, for runs side by side
 suite_start=$(date +%s)
 
 python="${PYTHON:-python3}"
@@ -85,7 +85,8 @@ count() { # name, status
 if [ "$multi" = 1 ]; then
   tests=(python/tests/test_two_gpus.py python/tests/test_tp_decode.py)
   [ -f python/tests/test_tp_publish.py ] && tests+=(python/tests/test_tp_publish.py)
-  tests+=(python/tests/test_publish.py::test_a_trainer_on_gpu0_publishes_into_an_engine_on_gpu1_over_peer_access)
+  tests+=(python/tests/test_publish.py::test_a_trainer_on_gpu0_publishes_into_an_engine_on_gpu1_over_peer_access
+    python/tests/test_publish.py::test_a_trainer_importing_the_sets_on_another_gpu_is_told_how_to_fix_it)
 else
   step "capture probe" probe.log "$python" python/tests/probe_capture.py
   count "capture probe" $?

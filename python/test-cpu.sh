@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The Python tests that need no GPU (CI): installs the package into a temporary folder and runs
-# pytest on python/tests; GPU tests report as skipped with the reason.
+# pytest on python/tests (and the preload demos' CPU tests); GPU tests report as skipped with the reason.
 #
 #   python/test-cpu.sh [--dev | --test-build] [WHEEL]
 #
@@ -66,3 +66,8 @@ python3 -c "import pytest" 2>/dev/null ||
 # not what `import stablebuf` finds.
 cd "$root"
 PYTHONPATH="$site:$site/.pytest${PYTHONPATH:+:$PYTHONPATH}" python3 -m pytest -q -rs python/tests
+# The preload layer's GPU-demo tooling that runs without a GPU: the conformance diff on
+# hand-made inputs and the two-GPU demos' comparisons (they import no stablebuf).
+PYTHONDONTWRITEBYTECODE=1 PYTHONPATH="$site/.pytest${PYTHONPATH:+:$PYTHONPATH}" \
+  python3 -m pytest -q -rs -p no:cacheprovider preload/demo/test_conformance_diff.py \
+  preload/demo/test_dist_demos.py

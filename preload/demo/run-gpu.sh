@@ -16,15 +16,22 @@
 #   catch-*       every allocation path the layer claims to catch, and its error paths
 #   conformance-* every pointer query and hand-built graph call on every kind of the layer's
 #                 allocations (pointer_conformance.cu): without the layer, monitor, vmm, vmm +
-#                 copy elision; the outputs must be equal but for pointer_conformance.allowed
+#                 copy elision; conformance_diff.py compares the runs case by case (one line per
+#                 case key) and every difference must be in pointer_conformance.allowed
 #   elision-*     copy elision against no layer: every interleaving between the copy and the
 #                 free (elision_interleavings.cu, legacy and per-thread default stream builds),
 #                 then seeded random multi-threaded programs; every buffer's hash must match
 #   torch-*       CUDA graph + pause/resume of the weights' tag; training with and without it
 #   tms-compare   pause/resume against torch_memory_saver
+#   dist-*        two GPUs (skipped, and said so, with fewer): torch_dist_graph.py under torchrun
+#                 (all-reduces captured in a CUDA graph over tagged tensors, across pauses and
+#                 resumes) without the layer, vmm, vmm + copy elision, outputs compared; and
+#                 nccl_register_pause.py (one process, two GPUs, ncclCommRegister of the layer's
+#                 memory across a pause and resume) without the layer and under vmm, whose
+#                 REGISTRATION-CLAIM line is the verdict on the README's NCCL limit
 # Ends with "preload GPU demos: N passed, M failed"; exit status 1 if any step failed.
-# ONLY="seed catch conformance elision torch tms" (any of them) runs only those groups (scripts/perf-check
-# runs ONLY=seed for the resize ratio).
+# ONLY="seed catch conformance elision torch tms dist" (any of them) runs only those groups
+# (scripts/perf-check runs ONLY=seed for the resize ratio).
 
 set -u -o pipefail
 
@@ -49,7 +56,7 @@ PASSED=0
 FAILED=0
 FAILED_STEPS=""
 STARTED=$(date +%s)
-ONLY=${ONLY:-seed catch conformance elision torch tms}
+ONLY=${ONLY:-seed catch conformance elision torch tms dist}
 # wants GROUP: whether ONLY names the group.
 wants() { case " $ONLY " in *" $1 "*) return 0 ;; esac; return 1; }
 
@@ -83,7 +90,7 @@ step() {
     if [ $rc -eq 0 ]; then
         PASSED=$((PASSED + 1))
         echo "    ok (${seconds} s)"
-        grep -E "^(RESULT|TARGET|FAILED|CHECK .*FAILED|stablebuf-preload (vmm|monitor):)" "$log" | cut -c1-400 | sed 's/^/    /'
+        grep -E "^(RESULT|TARGET|FAILED|CHECK .*FAILED|REGISTRATION-CLAIM|stablebuf-preload (vmm|monitor):)" "$log" | cut -c1-400 | sed 's/^/    /'
     else
         FAILED=$((FAILED + 1))
         FAILED_STEPS="$FAILED_STEPS $name"
@@ -94,6 +101,7 @@ step() {
         fi
         echo "    last lines of $log:"
         tail -n 40 "$log" | cut -c1-400 | sed 's/^/    | /'
+        grep -hE "^REGISTRATION-CLAIM" "$log" | cut -c1-400 | sed 's/^/    /'
     fi
     return $rc
 }
@@ -138,14 +146,14 @@ compare_elision() {
     grep -h "copy elision is off" "$vmm" | head -n 2
     [ "$lines" -gt 0 ] && [ "$differ" -eq 0 ] || return 1
     # Elision must still happen in the plain grow-by-copy case.
-    if [ "$name" != elision-random ]; then
+    if [ "${name#elision-random}" = "$name" ]; then
         grep -qE "^STATS plain deferred=1 elided=1 " "$vmm" || {
             echo "FAILED: the plain resize was not elided"
             return 1
         }
     fi
 }
-SITE=/tmp/site
+SITE=${SITE:-/tmp/site} # SITE: another folder, for runs side by side
 ELIDE_PROGRAMS=${ELIDE_PROGRAMS:-1000}
 export LIB WHEELS DEMO INCLUDE OUTDIR CUDA_HOME NVCC PY SEED SEED_LIBS SITE ELIDE_BIN ELIDE_PROGRAMS
 export -f build build_elision compare_elision
@@ -212,9 +220,15 @@ if wants elision && step elision-build 240 build_elision; then
         step elision-$mode-vmm 60 "${elide[@]}" "$ELIDE_BIN-$mode" all
         step elision-$mode 20 compare_elision elision-$mode
     done
-    step elision-random-none 150 "${seed[@]}" "$ELIDE_BIN-legacy" random "$ELIDE_PROGRAMS" 2024
-    step elision-random-vmm 150 "${elide[@]}" "$ELIDE_BIN-legacy" random "$ELIDE_PROGRAMS" 2024
-    step elision-random 20 compare_elision elision-random
+    # ELIDE_SEEDS="s1 s2 s3": the random programs at each seed (a change they cover lands after
+    # three fresh seeds passed); 2024 alone by default.
+    for elide_seed in ${ELIDE_SEEDS:-2024}; do
+        name=elision-random
+        [ "${ELIDE_SEEDS:-2024}" = 2024 ] || name=elision-random-$elide_seed
+        step $name-none 150 "${seed[@]}" "$ELIDE_BIN-legacy" random "$ELIDE_PROGRAMS" "$elide_seed"
+        step $name-vmm 150 "${elide[@]}" "$ELIDE_BIN-legacy" random "$ELIDE_PROGRAMS" "$elide_seed"
+        step $name 20 compare_elision $name
+    done
 fi
 
 # ---- PyTorch ------------------------------------------------------------------------------
@@ -255,6 +269,38 @@ else
     echo "=== tms-compare: skipped (no <wheel-dir> given and nothing installed in $SITE)"
 fi
 
+# ---- several GPUs: torch.distributed and NCCL over the layer's memory ---------------------
+# NVLink multicast stays off (NVLS on shared hosts; .bundle/run sets it too).
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+# run_dist LABEL [env assignments...]: torch_dist_graph.py on two GPUs under torchrun.
+run_dist() {
+    local label=$1
+    shift
+    rm -f "$OUTDIR"/dist-graph-"$label"-rank*.json "$OUTDIR"/dist-graph-"$label"-rank*-nccl.log
+    env OMP_NUM_THREADS=1 "$@" "$PY" -m torch.distributed.run --standalone --nnodes=1 \
+        --nproc_per_node=2 "$DEMO/torch_dist_graph.py" --label "$label" --out "$OUTDIR"
+}
+export -f run_dist
+if wants dist; then
+    GPUS=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null | tail -n 1)
+    GPUS=${GPUS:-0}
+    if [ "$GPUS" -ge 2 ] 2>/dev/null; then
+        step dist-graph-none 300 run_dist none
+        step dist-graph-vmm 300 run_dist vmm LD_PRELOAD="$LIB" STABLEBUF_PRELOAD_MODE=vmm
+        step dist-graph-vmm-elision 300 run_dist vmm-elide LD_PRELOAD="$LIB" \
+            STABLEBUF_PRELOAD_MODE=vmm STABLEBUF_PRELOAD_ELIDE_COPIES=1
+        step dist-graph 60 "$PY" "$DEMO/torch_dist_graph.py" --compare --out "$OUTDIR" \
+            none vmm vmm-elide
+        step nccl-register-none 180 env CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0,1}" \
+            "$PY" "$DEMO/nccl_register_pause.py" --label none --out "$OUTDIR"
+        step nccl-register-vmm 180 env CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0,1}" \
+            LD_PRELOAD="$LIB" STABLEBUF_PRELOAD_MODE=vmm \
+            "$PY" "$DEMO/nccl_register_pause.py" --label vmm --out "$OUTDIR"
+    else
+        echo "=== dist: skipped (${GPUS} GPU(s) visible to PyTorch; needs 2)"
+    fi
+fi
+
 # ---- summary ------------------------------------------------------------------------------
 echo
 echo "==================== summary ===================="
@@ -264,8 +310,8 @@ for report in seed-report tms-compare; do
         grep -vE "^(---|    exit)" "$OUTDIR/$report.log" | grep -E "^\||TARGET|FAILED|GiB" | cut -c1-300
     fi
 done
-for log in catch-none catch-monitor catch-vmm catch-vmm-elision conformance elision-legacy elision-per-thread elision-random torch-graph-pause torch-train-compare; do
-    [ -f "$OUTDIR/$log.log" ] && grep -hE "^RESULT" "$OUTDIR/$log.log" | cut -c1-300 | sed "s/^/$log: /"
+for log in catch-none catch-monitor catch-vmm catch-vmm-elision conformance elision-legacy elision-per-thread elision-random $(for s in ${ELIDE_SEEDS:-}; do echo elision-random-$s; done) torch-graph-pause torch-train-compare dist-graph nccl-register-none nccl-register-vmm; do
+    [ -f "$OUTDIR/$log.log" ] && grep -hE "^(RESULT|REGISTRATION-CLAIM)" "$OUTDIR/$log.log" | cut -c1-300 | sed "s/^/$log: /"
 done
 echo "timelines: $(ls "$OUTDIR"/*.svg 2>/dev/null | tr '\n' ' ')"
 echo "logs in $OUTDIR; total $(($(date +%s) - STARTED)) s"

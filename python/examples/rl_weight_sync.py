@@ -227,7 +227,10 @@ def run_method(method, args, params, served, ctx) -> dict:
                     steps.append((update_start, e))
                     first_output, bound_at = served.out.clone(), e
                     continue
-            if method == "stablebuf" and first_output is None and engine.poll() == version:
+            status = engine.poll() if method == "stablebuf" and first_output is None else None
+            if status is not None and version in status.refused:
+                raise RuntimeError(f"version {version} was refused: {status.problems}")
+            if status is not None and status.bound == version:
                 s, e = served.step()
                 steps.append((s, e))
                 first_output, bound_at = served.out.clone(), e

@@ -75,6 +75,9 @@ _OWNER_MISSES: Dict[int, int] = {}
 _OWNER_CACHE_LIMIT = 1 << 14
 _REGIONS_CREATED = [0]
 _UNSET: Any = object()
+# Whether a capture gets its own cuBLAS workspace (see own_cublas_workspace). A test seam:
+# graph_beside_compile.py turns it off to show the fault it prevents.
+OWN_CUBLAS_WORKSPACES = True
 
 
 class _GraphTags:
@@ -316,13 +319,50 @@ def _mark(function: Callable[..., Any], original: Callable[..., Any]) -> Callabl
     return function
 
 
+def own_cublas_workspace() -> None:
+    """Make the capture that begins now allocate its own cuBLAS workspace, in its own pool.
+
+    PyTorch caches one cuBLAS workspace per (handle, stream), made by the stream's first
+    matmul, and a graph captured on that stream bakes the workspace's address into its matmul
+    kernels without holding a reference to it. CUDA graph trees
+    (``torch.compile(mode="reduce-overhead")``) clear that cache around every warm-up and
+    recording (``torch._C._cuda_clearCublasWorkspaces``), which frees every stream's
+    workspace; ``torch.cuda.graph``'s ``empty_cache()`` then gives the segment back to CUDA.
+    A graph captured earlier then writes through a freed pointer on its next replay: an
+    illegal address that kills the context (issue 38), or another tensor overwritten.
+
+    Clearing the cache just before a capture makes the capture's first matmul allocate a
+    fresh workspace while the capture allocates into the graph's pool: the workspace then
+    lives in memory that stays reserved for as long as the graph exists, so a later clear
+    only returns it to that pool. CUDA graph trees do the same for their own recordings.
+    Costs one workspace (a few MiB) per captured graph that runs matmuls.
+    """
+    if not OWN_CUBLAS_WORKSPACES:
+        return
+    torch = sys.modules.get("torch")
+    clear = getattr(getattr(torch, "_C", None), "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+
+
 def patch_graph_class(graph_class: Any) -> bool:
-    """Guard ``graph_class.replay`` and record regions in ``graph_class.capture_end`` (once;
-    returns whether this call patched)."""
+    """Guard ``graph_class.replay``, record regions in ``graph_class.capture_end`` and give
+    each capture its own cuBLAS workspace in ``graph_class.capture_begin`` (once; returns
+    whether this call patched)."""
     original_replay = graph_class.replay
     original_capture_end = graph_class.capture_end
-    if _is_ours(original_replay) and _is_ours(original_capture_end):
+    original_capture_begin = getattr(graph_class, "capture_begin", None)
+    begin_done = original_capture_begin is None or _is_ours(original_capture_begin)
+    if _is_ours(original_replay) and _is_ours(original_capture_end) and begin_done:
         return False
+
+    if not begin_done:
+
+        def capture_begin(self: Any, *args: Any, **kwargs: Any) -> None:
+            own_cublas_workspace()
+            original_capture_begin(self, *args, **kwargs)
+
+        graph_class.capture_begin = _mark(capture_begin, original_capture_begin)
 
     if not _is_ours(original_capture_end):
 

@@ -3,27 +3,38 @@ be bound, the set bound, the one kept for a rollback and, across the ranks of a
 tensor-parallel group, one agreed switch per step boundary, made on every rank or on none.
 
 Pure Python (no torch, no GPU): the engine (:mod:`stablebuf.publish`) hands it a function that
-binds a set and, for a group, one that takes the minimum of a few integers over the ranks, so
+binds a set and, for a group, one that starts the minimum of a few integers over the ranks, so
 every rule is tested on the CPU with simulated ranks (``python/tests/test_switcher_cpu.py``).
 
-Across a group, a step boundary costs one reduction (of two integers) when nothing new has
-arrived, and two when a switch is made:
+Across a group, every step boundary reads one reduction of three integers, started at the
+boundary before (so it runs while the step between runs, and a boundary only collects it and
+starts the next), and a switch adds one reduction of one integer:
 
 1. every rank offers the newest version it has ready, and the group takes the minimum and the
    maximum. Equal, and newer than the version bound (the same on every rank, since they switch
-   together): every rank has it. Otherwise each rank offers the newest version it has at or
-   below that minimum, and so on, until the ranks agree or have nothing newer in common (a
-   rank's trainer may have skipped a version, or be a step behind): the newest version every
-   rank holds. The same reduction carries the oldest of the ranks' newest commits: commits
-   arrive in order, so a version no newer than that which some rank lacks will never be
-   common, and its sets go back to the trainers (else two ranks each holding a version the
-   other lacks would wait for each other with no free set).
+   together): every rank has it, and the boundary that reads the answer binds it. Otherwise
+   each rank offers, at the next boundary, the newest version it has at or below that minimum,
+   and so on, until the ranks agree or have nothing newer in common (a rank's trainer may have
+   skipped a version, or be a step behind): the newest version every rank holds. Versions that
+   arrive meanwhile are newer than any offer made, so they never change an answer: they are
+   offered once the ranks start over. The same reduction carries the oldest of the ranks'
+   newest commits: commits arrive in order, so a version no newer than that and than the
+   ceiling, which some rank lacks, will never be common, and its sets go back to the trainers
+   (else two ranks each holding a version the other lacks would wait for each other with no
+   free set).
 2. every rank binds it, or reports that its bind failed, and the minimum of those answers
    decides: all bound, and the switch stands; otherwise each rank that bound goes back to the
-   set it had, which it still holds, because nothing is released before the decision.
+   set it had, which it still holds, because nothing is released before the decision, and the
+   refused version goes back to the trainer on every rank (its set, and every older one
+   waiting), so that no trainer waits for a set that a failing rank would hold forever.
 
 A set is never handed back to the trainer while it is bound, kept for a rollback, or waiting
-to be bound.
+to be bound; every other set is handed back.
+
+Nothing here raises for what another rank or the group did: :meth:`VersionSwitcher.step` and
+:meth:`VersionSwitcher.rollback` return a :class:`Switch` that says what was refused and why.
+:class:`SwitchFailed` is for misuse only (a commit that names a set the engine holds or a
+version not newer, a rollback without ``keep_previous``).
 """
 
 from __future__ import annotations
@@ -31,29 +42,36 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-#: ``reduce_min(values)``: the element-wise minimum of ``values`` over the ranks of a group;
-#: every rank calls it with as many values, at the same point.
-ReduceMin = Callable[[Sequence[int]], List[int]]
+#: ``start_min(values)``: starts the element-wise minimum of ``values`` over the ranks of a
+#: group and returns a function that waits for it and returns it. Every rank starts one, with
+#: as many values, at the same point; either call may raise when the group is broken.
+StartMin = Callable[[Sequence[int]], Callable[[], List[int]]]
 #: ``bind(weight_set)``: put ``weight_set`` under the region; on an exception nothing changed.
 Bind = Callable[[Any], None]
 
-#: What a rank offers when it has no version at or below the one asked for.
+#: What a rank offers when it has no version at or below the one asked for (and what a rank
+#: that can no longer switch offers, so that the group never switches without it).
 NOTHING_NEW = -1
 # A bind's answers; the minimum over the ranks decides.
 _FAILED, _BOUND = 0, 2
 
 
 class SwitchFailed(RuntimeError):
-    """A switch or rollback was refused or failed; every rank is still on the version it had."""
+    """Misuse: a commit that names a set the engine holds or a version that is not newer, or a
+    rollback on an engine that keeps no previous version. Nothing changed."""
 
 
 @dataclass
 class Switch:
-    """What one step boundary (or rollback) did: the version bound by it (``None``: none) and
-    the sets the engine may hand back to the trainer."""
+    """What one step boundary (or rollback) did: the version bound by it (``None``: none), the
+    sets the engine may hand back to the trainer, the versions the group refused (a bind
+    failed on some rank; their sets are among ``released``), and ``problem``: what went wrong,
+    in words, for the caller's log (``None``: nothing)."""
 
     version: Optional[int] = None
     released: List[Any] = field(default_factory=list)
+    refused: List[int] = field(default_factory=list)
+    problem: Optional[str] = None
 
 
 class VersionSwitcher:
@@ -61,8 +79,14 @@ class VersionSwitcher:
     ``bound`` now and its ``version``, and ``previous`` (set, version) when rollbacks are kept.
 
     ``bound`` is ``None`` for the region's own backing until the first switch; ``current()``
-    returns it as a set when a rollback or a failed switch needs it back. ``reduce_min`` makes
-    every switch and rollback a decision of the whole group (``None``: this engine alone).
+    returns it as a set when a rollback or a failed switch needs it back. ``start_min`` makes
+    every switch and rollback a decision of the whole group (``None``: this engine alone, which
+    binds the newest ready version at the boundary it is called at).
+
+    ``split``: why this rank serves another version than the rest of its group (it bound a
+    version the group refused and could not bind its old set back); ``lost``: why the group's
+    agreement stopped (a reduction raised). Either way the rank switches no more, and hands
+    every set that arrives back to its trainer; the caller has to rebuild the group.
     """
 
     def __init__(
@@ -70,7 +94,7 @@ class VersionSwitcher:
         current: Callable[[], Any],
         *,
         keep_previous: bool = False,
-        reduce_min: Optional[ReduceMin] = None,
+        start_min: Optional[StartMin] = None,
     ) -> None:
         self.ready: Dict[int, Any] = {}
         self.bound: Any = None
@@ -78,11 +102,23 @@ class VersionSwitcher:
         #: The newest version ever committed here.
         self.last = 0
         self.previous: Optional[Tuple[Any, int]] = None
+        self.split: Optional[str] = None
+        self.lost: Optional[str] = None
         self._current = current
         self._keep_previous = keep_previous
-        self._reduce = reduce_min
+        self._start_min = start_min
+        # The offers started at the last boundary, read at the next one, and the ceiling they
+        # were made under (None: each rank's newest).
+        self._offers: Optional[Callable[[], List[int]]] = None
+        self._ceiling: Optional[int] = None
 
     # ----------------------------------------------------------------- state
+
+    @property
+    def in_step(self) -> bool:
+        """Whether this rank serves the version its group serves and can still switch with it
+        (always, alone)."""
+        return self.split is None and self.lost is None
 
     def held(self) -> List[Any]:
         """The sets the trainer may not write now: bound, kept for a rollback, or ready."""
@@ -115,37 +151,143 @@ class VersionSwitcher:
     # ----------------------------------------------------------------- switching
 
     def step(self, bind: Bind, *, before_is_gone: bool = False) -> Switch:
-        """At a step boundary: binds the newest version ready (on every rank of the group, or
-        on none). Returns what it bound and released; raises :class:`SwitchFailed` when a
-        bind failed (here or on another rank), with every rank left on the version it had.
+        """At a step boundary: binds the newest version ready (alone) or the newest every rank
+        of the group had ready at the boundary before (on every rank, or on none). Returns
+        what it bound, released and refused; raises nothing for what a bind or another rank
+        did.
 
         ``before_is_gone``: what was bound cannot be bound again (the region's own backing,
         discarded by a sleep; ``bind`` then wakes the region): it is neither kept for a
         rollback nor handed back. This engine alone only."""
-        if before_is_gone and self._reduce is not None:
+        if self._start_min is None:
+            if not self.ready:
+                return Switch()
+            return self._switch_to(bind, max(self.ready), before_is_gone)
+        if before_is_gone:
             raise ValueError(
                 "a group switch must be able to go back: before_is_gone is for one engine"
             )
-        target, settled = self._newest_in_common()
-        if target is None:
-            # What no rank will ever receive again and some rank lacks can never be bound.
-            dead = [v for v in self.ready if v <= settled]
-            return Switch(None, [self.ready.pop(v) for v in sorted(dead)])
+        if self.lost is not None:
+            return Switch(None, self._release_ready())
+        ceiling = self._ceiling
+        try:
+            answer = self._read_offers()
+        except Exception as error:  # the group is broken: no agreement is possible any more
+            return self._lose(error)
+        switch = Switch()
+        if self.split is not None:
+            switch = Switch(None, self._release_ready())  # it never binds again
+        elif answer is not None:
+            lowest, highest, settled = answer
+            self._ceiling = None  # unless the offers differ: then the next ones stay below
+            if lowest > self.version and lowest == highest:
+                switch = self._switch_to(bind, lowest)  # every rank offered it: every rank has it
+            elif lowest > self.version:
+                self._ceiling = lowest  # strictly lower each time round, so this ends
+            else:
+                # Some rank has nothing newer at or below the ceiling, so no version in common
+                # is newer than the one bound; every rank has received all it ever will up to
+                # `settled`, so what it lacks up to there (and the ceiling) is never coming.
+                limit = settled if ceiling is None else min(settled, ceiling)
+                dead = sorted(v for v in self.ready if v <= limit)
+                switch = Switch(None, [self.ready.pop(v) for v in dead])
+        return _joined(switch, self._start_offers())
+
+    def rollback(self, bind: Bind) -> Switch:
+        """Binds the version bound before the last switch again (on every rank of the group,
+        or on none); the set it leaves goes back to the trainer. Versions still waiting stay
+        ready: a later step boundary binds the newest of them. Raises :class:`SwitchFailed`
+        only without ``keep_previous``; a refusal is in the returned :class:`Switch`."""
+        if not self._keep_previous:
+            raise SwitchFailed("rollbacks are off: make the engine with keep_previous=True")
+        if self.lost is not None:
+            return Switch(problem=f"no rollback: the group's agreement is lost ({self.lost})")
+        try:
+            # Every rank rolls back at the same boundary, so every rank sets the offers of the
+            # boundary before aside here (and starts new ones after).
+            self._read_offers()
+            self._ceiling = None
+            here = self.previous is not None and self.split is None
+            everywhere = self._agree(1 if here else 0)
+        except Exception as error:
+            return self._lose(error)
+        if everywhere == 0:
+            why = (
+                "this rank serves another version than its group"
+                if self.split is not None
+                else "none was kept: no switch since the start or the last rollback"
+                if self.previous is None
+                else "another rank has none"
+            )
+            switch = Switch(problem=f"no version to roll back to ({why})")
+        else:
+            assert self.previous is not None  # every rank has one
+            back, back_version = self.previous
+            leaving = self.bound if self.bound is not None else self._current()
+            switch = self._bind_agreed(
+                bind, back, back_version, leaving, lambda: self._rolled_back(leaving), True
+            )
+        return _joined(switch, self._start_offers())
+
+    # ----------------------------------------------------------------- helpers
+
+    def _switch_to(self, bind: Bind, target: int, before_is_gone: bool = False) -> Switch:
+        """Binds ready version ``target`` (with a group: every rank has it) and, with a group,
+        agrees on the outcome. A refusal hands ``target``'s set and every older ready one back."""
         chosen = self.ready[target]
         before = self.bound
-        if before is None and not before_is_gone and (self._keep_previous or self._reduce):
+        if before is None and not before_is_gone and (self._keep_previous or self._start_min):
             # The region's own backing, asked for only where it may be bound again: kept for
             # a rollback, or bound back if the group refuses. Otherwise the bind frees it.
             before = self._current()
-        answer, failure = self._try_bind(bind, chosen)
-        if self._agree(answer) != _BOUND:
-            if answer == _BOUND:
-                self._go_back(bind, before, chosen, target)
-            raise SwitchFailed(
-                f"version {target} was not bound: "
-                + (f"this rank's bind failed: {failure}" if failure else "another rank's failed")
-                + f"; every rank is still on version {self.version}"
-            ) from failure
+        return self._bind_agreed(
+            bind, chosen, target, before, lambda: self._switched(chosen, target, before), False
+        )
+
+    def _bind_agreed(
+        self,
+        bind: Bind,
+        weight_set: Any,
+        version: int,
+        before: Any,
+        done: Callable[[], Switch],
+        is_rollback: bool,
+    ) -> Switch:
+        """Binds ``weight_set`` (``version``) here and takes the group's answer: ``done()`` when
+        every rank bound it, else every rank that bound it binds ``before`` again. A refused
+        switch hands its version and every older ready one back to the trainer; a refused
+        rollback keeps the previous version (it may be tried again)."""
+        answer, failure = self._try_bind(bind, weight_set)
+        try:
+            agreed = self._agree(answer)
+        except Exception as error:
+            # Whether the others bound is unknown: go back (so that this rank at least serves
+            # what it served) and switch no more.
+            freed, split = (
+                self._go_back(bind, before, weight_set, version) if answer == _BOUND else ([], None)
+            )
+            lost = self._lose(error)
+            return Switch(None, lost.released + freed, problem=_sentences(lost.problem, split))
+        if agreed == _BOUND:
+            return done()
+        where = f"this rank's bind failed: {failure}" if failure else "another rank's bind failed"
+        problem = (
+            f"{'the rollback to ' if is_rollback else ''}version {version} was refused: {where}; "
+            f"every rank is still on version {self.version}"
+        )
+        freed, split = (
+            self._go_back(bind, before, weight_set, version) if answer == _BOUND else ([], None)
+        )
+        if is_rollback:
+            return Switch(None, freed, problem=_sentences(problem, split))
+        # The refused version and every older one waiting go back: binding them later could
+        # fail the same way, and holding them could leave a trainer without a free set.
+        refused_and_older = sorted(v for v in self.ready if v <= version)
+        released = [self.ready.pop(v) for v in refused_and_older] + freed
+        problem += ", and the refused set went back to the trainer"
+        return Switch(None, released, refused=[version], problem=_sentences(problem, split))
+
+    def _switched(self, chosen: Any, target: int, before: Any) -> Switch:
         released = [s for v, s in self.ready.items() if v < target]
         self.ready = {v: s for v, s in self.ready.items() if v > target}
         if self._keep_previous and self.previous is not None:
@@ -159,59 +301,61 @@ class VersionSwitcher:
         self.bound, self.version = chosen, target
         return Switch(target, released)
 
-    def rollback(self, bind: Bind) -> Switch:
-        """Binds the version bound before the last switch again (on every rank of the group,
-        or on none); the set it leaves goes back to the trainer. Versions still waiting stay
-        ready: the next step boundary binds the newest of them."""
-        if not self._keep_previous:
-            raise SwitchFailed("rollbacks are off: make the engine with keep_previous=True")
-        here = self.previous is not None
-        if self._agree(1 if here else 0) == 0:
-            raise SwitchFailed(
-                "no version to roll back to "
-                + ("on another rank" if here else "(none was kept: no switch since the last)")
-            )
-        assert self.previous is not None  # every rank has one
-        back, back_version = self.previous
-        leaving = self.bound if self.bound is not None else self._current()
-        answer, failure = self._try_bind(bind, back)
-        if self._agree(answer) != _BOUND:
-            if answer == _BOUND:
-                self._go_back(bind, leaving, back, back_version)
-            raise SwitchFailed(
-                f"rollback to version {back_version} failed "
-                + (f"on this rank: {failure}" if failure else "on another rank")
-                + f"; every rank is still on version {self.version}"
-            ) from failure
+    def _rolled_back(self, leaving: Any) -> Switch:
+        assert self.previous is not None
+        self.bound, self.version = self.previous
         self.previous = None
-        self.bound, self.version = back, back_version
-        return Switch(back_version, [leaving])
+        return Switch(self.version, [leaving])
 
-    # ----------------------------------------------------------------- helpers
+    def _release_ready(self) -> List[Any]:
+        """Every ready set, handed back (for a rank that no longer switches)."""
+        released = [s for _, s in sorted(self.ready.items())]
+        self.ready = {}
+        return released
+
+    def _start_offers(self) -> Optional[Switch]:
+        """Starts this boundary's offers: the newest version ready at or below the ceiling
+        (``NOTHING_NEW`` from a split rank), negated for the maximum, and the newest commit.
+        Returns what losing the group did, if starting them raised."""
+        if self._start_min is None or self.lost is not None:
+            return None  # alone, nothing is agreed ahead
+        offer = NOTHING_NEW
+        if self.split is None:
+            offer = max(
+                (v for v in self.ready if self._ceiling is None or v <= self._ceiling),
+                default=NOTHING_NEW,
+            )
+        try:
+            self._offers = self._start_min([offer, -offer, self.last])
+        except Exception as error:
+            return self._lose(error)
+        return None
+
+    def _read_offers(self) -> Optional[Tuple[int, int, int]]:
+        """The group's answer to the offers started at the boundary before: (lowest offer,
+        highest offer, oldest newest commit); ``None`` when none were started."""
+        offers, self._offers = self._offers, None
+        if offers is None:
+            return None
+        low, negated_high, last = offers()
+        return int(low), -int(negated_high), int(last)
 
     def _agree(self, value: int) -> int:
-        """The minimum of ``value`` over the group."""
-        return value if self._reduce is None else int(self._reduce([value])[0])
+        """The minimum of ``value`` over the group, now."""
+        if self._start_min is None:
+            return value
+        return int(self._start_min([value])()[0])
 
-    def _newest_in_common(self) -> Tuple[Optional[int], int]:
-        """The newest version newer than the one bound that every rank of the group has ready
-        (``None``: none), and the oldest of the ranks' newest commits (every rank has received
-        all it ever will up to there); the same answers on every rank."""
-        ceiling: Optional[int] = None
-        while True:
-            offer = max(
-                (v for v in self.ready if ceiling is None or v <= ceiling), default=NOTHING_NEW
-            )
-            if self._reduce is None:
-                lowest, highest, settled = offer, offer, self.last
-            else:
-                low, negated_high, last = self._reduce([offer, -offer, self.last])
-                lowest, highest, settled = int(low), -int(negated_high), int(last)
-            if lowest <= self.version:
-                return None, settled  # some rank has nothing newer at or below the ceiling
-            if lowest == highest:
-                return lowest, settled  # every rank offered it: every rank has it
-            ceiling = lowest  # strictly lower each time round, so this ends
+    def _lose(self, error: BaseException) -> Switch:
+        """The group's reduction raised: no rank can agree with this one any more."""
+        self.lost = f"{type(error).__name__}: {error}"
+        self._offers = None
+        return Switch(
+            None,
+            self._release_ready(),
+            problem=f"the group's agreement is lost ({self.lost}): this rank stays on version "
+            f"{self.version} and switches no more; rebuild the group",
+        )
 
     @staticmethod
     def _try_bind(bind: Bind, weight_set: Any) -> Tuple[int, Optional[BaseException]]:
@@ -221,21 +365,40 @@ class VersionSwitcher:
             return _FAILED, failure
         return _BOUND, None
 
-    def _go_back(self, bind: Bind, before: Any, now_bound: Any, now_version: int) -> None:
+    def _go_back(
+        self, bind: Bind, before: Any, now_bound: Any, now_version: int
+    ) -> Tuple[List[Any], Optional[str]]:
         """Binds ``before`` again after the group refused ``now_version``, which this rank
-        bound (``now_bound``)."""
+        bound (``now_bound``). Returns the sets that freed and ``None``, or, when that bind
+        failed, what is true now: this rank serves ``now_version``, split from its group (it
+        switches no more, so ``before`` and the set kept for a rollback are free)."""
         try:
             bind(before)
         except Exception as failure:
-            # Say what is true: this rank serves `now_version` (the others do not); `before`
-            # stays out of the trainer's hands, and the caller has to set the group right.
             stale = self.version
+            freed = [before]
+            if self.previous is not None and self.previous[0] is not now_bound:
+                freed.append(self.previous[0])  # no rollback is agreed with a split rank
             self.ready = {v: s for v, s in self.ready.items() if s is not now_bound}
-            if self.previous is not None and self.previous[0] is now_bound:
-                self.previous = None
             self.bound, self.version = now_bound, now_version
-            raise SwitchFailed(
-                f"the group refused version {now_version}, which this rank had bound, and "
-                f"binding version {stale} back failed: {failure}. This rank now serves "
-                f"version {now_version}, the others version {stale}"
-            ) from failure
+            self.previous = None
+            self.split = (
+                f"binding version {stale} back failed ({failure}): this rank serves version "
+                f"{now_version}, the others version {stale}"
+            )
+            return freed, f"Split from the group: {self.split}; rebuild the group"
+        return [], None
+
+
+def _joined(switch: Switch, more: Optional[Switch]) -> Switch:
+    """``switch`` with what ``more`` released and said added."""
+    if more is None:
+        return switch
+    switch.released.extend(more.released)
+    switch.problem = _sentences(switch.problem, more.problem)
+    return switch
+
+
+def _sentences(*parts: Optional[str]) -> Optional[str]:
+    said = [p for p in parts if p]
+    return ". ".join(said) if said else None

@@ -6,41 +6,50 @@ straight into the engine's spare weight sets, the engine binds them with one rem
     # engine process (serves with CUDA graphs captured over region "weights")
     engine = stablebuf.publish.Engine("weights", "/tmp/engine.sock", model)   # 2 spare sets
     while serving:
-        engine.poll()            # at a step boundary: binds the newest committed version
+        status = engine.poll()   # at a step boundary: binds the newest committed version
+        for problem in status.problems:
+            log.warning(problem)  # never raised: the engine serves on
         graph.replay()
 
-    # trainer process
+    # trainer process, on the engine's GPU
     trainer = stablebuf.publish.Trainer.connect("/tmp/engine.sock", expect=model.state_dict())
     trainer.publish(model.state_dict(), version=step)   # copy (casting), sync, commit
 
 How it works: the engine makes ``sets`` exportable weight sets of its region and offers them
 over a Unix socket (the file descriptors ride along), with a manifest (tensor name → offset,
-shape, stride, dtype). The trainer imports every set, maps it read-write and builds ordinary
-torch tensors over it (zero-copy: ``torch.from_dlpack`` of a capsule built in Rust). To publish it takes a set the engine has released, copies its
-weights in, synchronises, and commits the version. ``Engine.poll`` binds the newest committed
-set (its graphs replay on it from the next replay) and releases the set it replaced back to the
-trainer: with two sets that is a double buffer, and the trainer never writes the bound set.
+shape, stride, dtype). The trainer imports every set on its device (the engine's GPU, or
+another one given peer access with ``access=``), maps it read-write and builds ordinary torch
+tensors over it (zero-copy: ``torch.from_dlpack`` of a capsule built in Rust). To publish it
+takes a set the engine has released, copies its weights in, synchronises, and commits the
+version. ``Engine.poll`` binds the newest committed set (its graphs replay on it from the next
+replay) and releases the set it replaced back to the trainer: with two sets that is a double
+buffer, and the trainer never writes the bound set.
 
 Guarantees: a set is bound only after its commit, and a commit is sent only after the writes
 are done; a trainer that dies mid-write leaves the engine serving what it had bound, and its
-half-written set goes back to the next trainer. One trainer per engine: a second is refused
-(:class:`PublishError`); a trainer publishes to several engines with one :class:`Trainer` each.
-Errors are subclasses of :class:`stablebuf.Error`; after one, both sides are as they were.
+half-written set goes back to the next trainer. Every set the engine does not bind, keep for
+a rollback or hold waiting goes back to the trainer, a refused one included. One trainer per
+engine: a second is refused; a trainer publishes to several engines with one :class:`Trainer`
+each. The engine's serving calls (:meth:`Engine.poll`, :meth:`Engine.rollback`) return a
+:class:`PollStatus` and raise only for misuse; the trainer's calls raise subclasses of
+:class:`stablebuf.Error`, after which both sides are as they were.
 
 Tensor parallelism: one engine per rank, each with its own trainer (the trainer's rank that
-holds the same shard), and ``group=`` a ``torch.distributed`` group of the engines' ranks
-(a gloo group keeps the agreement off the GPU: ``dist.new_group(backend="gloo")``). Every
-rank calls :meth:`Engine.poll` at the same step boundary; a version is then bound on every
-rank at that boundary or on none (:mod:`stablebuf._switcher` says how), so no step ever mixes
-two versions across ranks. ``keep_previous=True`` keeps the version bound before the last
-switch for :meth:`Engine.rollback` (one bind): one more set, so ``sets`` is at least 3.
+holds the same shard, on the engine's GPU), and ``group=`` a ``torch.distributed`` group of
+the engines' ranks (a gloo group keeps the agreement off the GPU and beside the step:
+``dist.new_group(backend="gloo")``). Every rank calls :meth:`Engine.poll` at the same step
+boundary; a version is then bound on every rank at that boundary or on none
+(:mod:`stablebuf._switcher` says how), so no step ever mixes two versions across ranks.
+``keep_previous=True`` keeps the version bound before the last switch for
+:meth:`Engine.rollback` (one bind): one more set, so ``sets`` is at least 3.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from . import _guard, _native, _sleep
 from ._devices import cuda_torch, device_of, stream_of
@@ -53,7 +62,7 @@ from ._native import (
     VersionConflict,
     WeightSet,
 )
-from ._switcher import ReduceMin, Switch, SwitchFailed, VersionSwitcher
+from ._switcher import StartMin, Switch, SwitchFailed, VersionSwitcher
 
 #: The manifest differs from what the trainer expects (an :class:`OfferMismatch`).
 ManifestMismatch = OfferMismatch
@@ -64,6 +73,7 @@ __all__ = [
     "ManifestMismatch",
     "OfferMismatch",
     "PeerClosed",
+    "PollStatus",
     "PublishError",
     "PublishTimeout",
     "Trainer",
@@ -81,23 +91,32 @@ def _tensors_of(source: Any) -> Dict[str, Any]:
     return dict(source)
 
 
-def torch_reduce_min(group: Any) -> ReduceMin:
-    """The element-wise minimum of a few integers over ``group`` (a ``torch.distributed``
-    process group), as :class:`~stablebuf._switcher.VersionSwitcher` asks for it. On a gloo
-    group it stays on the host; on an NCCL group it runs on the current device and waits for
-    it."""
+def torch_start_min(group: Any) -> StartMin:
+    """Starts the element-wise minimum of a few integers over ``group`` (a
+    ``torch.distributed`` process group), as :class:`~stablebuf._switcher.VersionSwitcher`
+    asks for it. On a gloo group it runs on the host, in gloo's own threads, while the caller
+    goes on (a serving loop's step); on any other backend (NCCL) it runs on the current
+    device and is waited for at once, which waits for that device's queued work too."""
     torch = cuda_torch()
     import torch.distributed as dist
 
     on_host = dist.get_backend(group) == "gloo"
 
-    def reduce_min(values: Sequence[int]) -> List[int]:
+    def start_min(values: Sequence[int]) -> Callable[[], List[int]]:
         device = "cpu" if on_host else torch.device("cuda", torch.cuda.current_device())
         t = torch.tensor(list(values), dtype=torch.int64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-        return [int(v) for v in t.tolist()]
+        work = dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group, async_op=on_host)
+        if not on_host:
+            done = [int(v) for v in t.tolist()]
+            return lambda: done
 
-    return reduce_min
+        def result() -> List[int]:
+            work.wait()
+            return [int(v) for v in t.tolist()]
+
+        return result
+
+    return start_min
 
 
 def _wait_for_message(channel: Any, deadline: Optional[float], what: str) -> None:
@@ -105,6 +124,39 @@ def _wait_for_message(channel: Any, deadline: Optional[float], what: str) -> Non
         if deadline is not None and time.monotonic() > deadline:
             raise PublishTimeout(f"nothing arrived while waiting for {what}")
         time.sleep(_POLL_SECONDS)
+
+
+@dataclass(frozen=True)
+class PollStatus:
+    """What one :meth:`Engine.poll` or :meth:`Engine.rollback` did, and where the engine
+    stands after it. Nothing a peer (the trainer, another rank) does makes those calls raise:
+    it shows here.
+
+    - ``version``: the version bound now (0: the weights the engine started with). With a
+      group, the same on every rank while ``group_in_step``.
+    - ``bound``: the version this call bound (a switch, or the version a rollback went back
+      to), else ``None``. Equal on every rank of a group.
+    - ``refused``: the versions refused at this call because a bind failed (here or, with a
+      group, on another rank). Every rank is still on ``version``, and each refused version's
+      set (with every older one waiting) went back to the trainer on every rank; the trainer
+      publishes a newer version when it has one. Equal on every rank of a group.
+    - ``trainer_connected``: whether a trainer is connected after this call.
+    - ``group_in_step``: whether this rank serves the version its group serves and can switch
+      with it (always ``True`` without a group). ``False`` after a group reduction raised (a
+      rank died, say) or after this rank could not bind its old set back when the group
+      refused a version: it then serves on but switches no more, hands every set that arrives
+      back to its trainer, and the caller has to rebuild the group.
+    - ``problems``: what went wrong since the last poll, one sentence each, for a log: a
+      refused version or rollback, a trainer that went away or was dropped (a version not
+      newer, a set it may not write), a failed handshake, a lost group. Empty: all went well.
+    """
+
+    version: int
+    bound: Optional[int] = None
+    refused: Tuple[int, ...] = ()
+    trainer_connected: bool = False
+    group_in_step: bool = True
+    problems: Tuple[str, ...] = ()
 
 
 class Engine:
@@ -117,9 +169,15 @@ class Engine:
     switch stays resident for :meth:`rollback`). Each set is one more copy of the weights in
     device memory.
 
-    ``group``: the ``torch.distributed`` group of the tensor-parallel ranks' engines; every
-    switch and rollback is then made on every rank or on none, and every rank must call
-    :meth:`poll`, :meth:`rollback`, :meth:`sleep` and :meth:`wake` at the same step boundary.
+    ``group``: the ``torch.distributed`` group of the tensor-parallel ranks' engines (gloo:
+    the agreement then runs on the host, beside the step); every switch and rollback is then
+    made on every rank or on none, and every rank must call :meth:`poll`, :meth:`rollback`,
+    :meth:`sleep` and :meth:`wake` at the same step boundary. A version every rank has is bound
+    at the boundary after the one that found it.
+
+    :meth:`poll` and :meth:`rollback` return a :class:`PollStatus` and raise only for misuse
+    (a closed engine; a rollback asleep or without ``keep_previous``): a serving loop logs
+    ``status.problems`` and goes on serving.
     """
 
     #: Seconds a connecting trainer has to import the sets before it is dropped.
@@ -177,9 +235,12 @@ class Engine:
         self._switcher = VersionSwitcher(
             lambda: _native.bound(tag),
             keep_previous=keep_previous,
-            reduce_min=None if group is None else torch_reduce_min(group),
+            start_min=None if group is None else torch_start_min(group),
         )
         self._asleep = False
+        self._closed = False
+        # What went wrong outside poll (accept, wait_for_commit, wake): the next poll says it.
+        self._unreported: List[str] = []
 
     # ----------------------------------------------------------------- state
 
@@ -212,26 +273,59 @@ class Engine:
         """Committed versions not bound yet (a group binds one once every rank has it)."""
         return sorted(self._switcher.ready)
 
+    @property
+    def last_committed(self) -> int:
+        """The newest version a trainer committed to this engine (0: none yet)."""
+        return self._versions.last
+
+    @property
+    def previous_version(self) -> Optional[int]:
+        """The version :meth:`rollback` would bind (``None``: none kept)."""
+        previous = self._switcher.previous
+        return None if previous is None else previous[1]
+
     def _is_spare(self, weight_set: Any) -> bool:
         """Whether ``weight_set`` is one of the sets offered to trainers (not the region's own
         backing)."""
         return self._by_id.get(getattr(weight_set, "id", None)) is weight_set
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PublishError(f"engine `{self.tag}` is closed")
+
     # ----------------------------------------------------------------- trainer connection
 
     def accept(self, timeout: Optional[float] = None) -> bool:
         """Waits up to ``timeout`` seconds (forever with ``None``) for a trainer and hands it
-        the manifest and the sets. Returns whether one is connected."""
+        the manifest and the sets. Returns whether one is connected (a failed handshake is
+        among the next :meth:`poll`'s problems)."""
+        self._check_open()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            self._accept_pending()
+            self._accept_pending(self._unreported)
             if self._channel is not None:
                 return True
             if deadline is not None and time.monotonic() > deadline:
                 return False
             time.sleep(_POLL_SECONDS * 10)
 
-    def _accept_pending(self) -> None:
+    def wait_for_commit(self, version: int, timeout: Optional[float] = 30.0) -> bool:
+        """Reads the trainer's messages (accepting one if none is connected) until ``version``
+        or a newer one is committed, or ``timeout`` seconds pass (forever with ``None``).
+        Binds nothing and talks to no other rank, so it is safe asleep and in a group: for a
+        colocated loop that learns of a publish from elsewhere and must not wake before its
+        commit is here. Returns whether it arrived."""
+        self._check_open()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self._read_trainer(self._unreported)
+            if self._versions.last >= version:
+                return True
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(_POLL_SECONDS)
+
+    def _accept_pending(self, problems: List[str]) -> None:
         while True:
             channel = self._listener.accept()
             if channel is None:
@@ -247,7 +341,10 @@ class Engine:
                     )
                 channel.close()
                 continue
-            self._handshake(channel)
+            try:
+                self._handshake(channel)
+            except PublishError as error:  # PeerClosed, OfferMismatch, PublishTimeout included
+                problems.append(f"a trainer's handshake failed: {type(error).__name__}: {error}")
 
     def _handshake(self, channel: Any) -> None:
         deadline = time.monotonic() + self.handshake_timeout
@@ -263,7 +360,7 @@ class Engine:
             for ws in self._sets:
                 if id(ws) not in held:
                     channel.send("released", set=ws.id)
-        except PublishError:  # PeerClosed, OfferMismatch, PublishTimeout included
+        except PublishError:
             channel.close()
             raise
         self._channel = channel
@@ -275,81 +372,108 @@ class Engine:
 
     # ----------------------------------------------------------------- serving
 
-    def poll(self) -> Optional[int]:
-        """Call at a step boundary (never blocks for long): accepts a trainer, takes its
-        commits, and binds the newest committed version (one remap; the region's graphs replay
-        on it from the next replay). Returns the version bound by this call, or ``None``.
+    def poll(self) -> PollStatus:
+        """Call at every step boundary; never blocks for long and never raises for what a peer
+        did. Accepts a trainer, takes its commits, and binds the newest committed version (one
+        remap; the region's graphs replay on it from the next replay). Returns a
+        :class:`PollStatus`: the version bound now, the version this call bound, the versions
+        refused, the trainer's and the group's state, and what went wrong.
 
-        With a ``group``, every rank calls it at the same boundary, and a version is bound
-        once every rank has it, on every rank or on none; a rank's error is raised after the
-        group's decision, so one rank's trouble never leaves the others waiting.
+        With a ``group``, every rank calls it at the same boundary; a version is bound once
+        every rank has it (at the boundary after the one that found that), on every rank or on
+        none. It waits only for the group's answer to the offers of the boundary before, which
+        is there unless another rank has not reached that boundary yet. The engine keeps
+        serving what it had bound whatever the trainer does (goes away, commits a version not
+        newer, dies mid-write).
 
-        Raises :class:`PeerClosed` once when the trainer went away (the engine keeps serving
-        what it had bound; a new trainer may connect), :class:`VersionConflict` for a commit
-        that is not newer (the set goes back to the trainer), :class:`PublishError` when a
-        bind failed (here or, with a group, on another rank; every rank keeps its version)."""
-        problem: Optional[BaseException] = None
-        try:
-            self._accept_pending()
-            self._take_commits()
-        except PublishError as error:  # PeerClosed and VersionConflict included
-            problem = error
-        switched = None
+        Raises :class:`PublishError` only on a closed engine."""
+        self._check_open()
+        problems, self._unreported = self._unreported, []
+        self._read_trainer(problems)
+        switch = Switch()
         if not self._asleep:
-            try:
-                switched = self._apply(self._switcher.step(self._bind))
-            except SwitchFailed as failed:
-                problem = problem or PublishError(str(failed))
+            switch = self._switcher.step(self._bind)
         elif self._group is None:
             # Asleep, the newest commit waits for the wake; older ones go back to the trainer,
             # which may go on publishing. (A group keeps them: a rank may lack the newest.)
-            self._apply(Switch(None, self._switcher.keep_newest()))
-        if problem is not None:
-            raise problem
-        return switched
+            switch = Switch(None, self._switcher.keep_newest())
+        return self._status(switch, problems)
 
-    def rollback(self) -> int:
+    def rollback(self) -> PollStatus:
         """Binds the version bound before the last switch again (one remap; with a
-        ``group``, on every rank or on none) and returns it. Needs ``keep_previous=True``;
-        one step back only. The set left goes back to the trainer; versions committed since
-        stay ready, and the next :meth:`poll` binds the newest of them, so stop the trainer
-        first to stay on the old version."""
+        ``group``, on every rank or on none, every rank calling it at the same boundary in
+        place of :meth:`poll`). One step back only: ``status.bound`` is the version gone back
+        to, or ``None`` with the reason in ``status.problems`` (none kept, a bind failed). The
+        set left goes back to the trainer; versions committed since stay ready, and a later
+        :meth:`poll` binds the newest of them, so stop the trainer first to stay on the old
+        version.
+
+        Raises :class:`PublishError` (misuse) without ``keep_previous=True``, asleep, or on a
+        closed engine."""
+        self._check_open()
         if self._asleep:
             raise PublishError(f"engine `{self.tag}` is asleep: wake it before a rollback")
         try:
             switch = self._switcher.rollback(self._bind)
-        except SwitchFailed as failed:
-            raise PublishError(str(failed)) from failed
-        self._apply(switch)
-        return self._switcher.version
+        except SwitchFailed as misuse:
+            raise PublishError(str(misuse)) from None
+        problems, self._unreported = self._unreported, []
+        return self._status(switch, problems)
 
-    def _take_commits(self) -> None:
-        """Reads every waiting message; commits become ready versions."""
-        channel = self._channel
-        while channel is not None and channel.message_waiting():
+    def _status(self, switch: Switch, problems: List[str]) -> PollStatus:
+        self._apply(switch, problems)
+        if switch.problem is not None:
+            problems.append(switch.problem)
+        return PollStatus(
+            version=self._switcher.version,
+            bound=switch.version,
+            refused=tuple(switch.refused),
+            trainer_connected=self._channel is not None,
+            group_in_step=self._switcher.in_step,
+            problems=tuple(problems),
+        )
+
+    def _read_trainer(self, problems: List[str]) -> None:
+        """Accepts a waiting trainer and takes every message it sent; what goes wrong is added
+        to ``problems`` (the trainer is dropped where it can no longer be trusted)."""
+        self._accept_pending(problems)
+        while self._channel is not None and self._channel.message_waiting():
             try:
-                kind, set_id, version, reason = channel.receive()
-            except PeerClosed:
-                self._drop_trainer()
-                raise
-            if kind == "commit":
-                self._on_commit(set_id, version)
-            elif kind == "reject":
-                self._drop_trainer()
-                raise PublishError(f"the trainer refused: {reason}")
-            else:
-                self._drop_trainer()
-                raise PublishError(f"protocol: a `{kind}` message from the trainer")
+                self._take_message()
+            except PublishError as error:  # PeerClosed and VersionConflict included
+                problems.append(f"{type(error).__name__}: {error}")
+
+    def _take_message(self) -> None:
+        """Takes one message from the trainer; a commit becomes a ready version."""
+        channel = self._channel
+        try:
+            kind, set_id, version, reason = channel.receive()
+        except PeerClosed as closed:
+            self._drop_trainer()
+            raise PeerClosed(
+                f"the trainer went away ({closed}); the engine keeps serving version "
+                f"{self.version}, and a new trainer may connect"
+            ) from None
+        if kind == "commit":
+            self._on_commit(set_id, version)
+        elif kind == "reject":
+            self._drop_trainer()
+            raise PublishError(f"the trainer refused: {reason}")
+        else:
+            self._drop_trainer()
+            raise PublishError(f"protocol: a `{kind}` message from the trainer")
 
     def _on_commit(self, set_id: int, version: int) -> None:
         ws = self._by_id.get(set_id)
         if ws is None or any(ws is held for held in self._switcher.held()):
             self._drop_trainer()
-            raise PublishError(f"the trainer committed set {set_id}, which it may not write")
+            raise PublishError(
+                f"the trainer committed set {set_id}, which it may not write: it was dropped"
+            )
         problem = self._versions.problem(version)
         if problem is not None:
             self._channel.send("released", set=set_id)  # the trainer may write it again
-            raise VersionConflict(problem)
+            raise VersionConflict(f"{problem}: the set went back to the trainer")
         self._versions.advance(version)
         self._switcher.committed(ws, version)
 
@@ -361,46 +485,55 @@ class Engine:
         with _guard.REMAPS:
             _native.wake_onto(self.tag, weight_set)
 
-    def _apply(self, switch: Switch) -> Optional[int]:
-        """Hands the sets a switch released back to the trainer; returns the version bound."""
+    def _apply(self, switch: Switch, problems: List[str]) -> None:
+        """Hands the sets a switch released back to the trainer."""
         for weight_set in switch.released:
             if self._channel is None:
                 break  # the next trainer gets every set the engine does not hold
             if self._is_spare(weight_set):
                 try:
                     self._channel.send("released", set=weight_set.id)
-                except PeerClosed:
+                except PeerClosed as closed:
                     self._drop_trainer()
-        return switch.version
+                    problems.append(f"PeerClosed: the trainer went away ({closed})")
 
     # ----------------------------------------------------------------- colocation
 
     def sleep(self) -> None:
         """Releases the region's memory (discarding it) while the trainer trains; the spare
         sets stay resident for the trainer to write."""
+        self._check_open()
         _sleep.sleep(self.tag, keep=False)
         self._asleep = True
 
     def wake(self) -> int:
         """Wakes onto the newest committed set (one mapping, no copy), else onto the set bound
-        before the sleep; returns the version now bound. Polls first. With a ``group`` it
-        wakes onto the set bound before the sleep, and the next :meth:`poll` switches on every
-        rank together."""
-        with contextlib.suppress(PeerClosed):
-            self.poll()
+        before the sleep; returns the version now bound. Reads the trainer's messages first
+        (to be sure a publish made before the call is seen, call :meth:`wait_for_commit`).
+        With a ``group`` it wakes onto the set bound before the sleep, and a later
+        :meth:`poll` switches on every rank together.
+
+        Raises :class:`PublishError` when waking onto the newest commit failed and the
+        engine's own weights were discarded by the sleep: its set went back to the trainer,
+        the engine is still asleep; publish again and wake."""
+        self._check_open()
+        self._read_trainer(self._unreported)
         if not self._asleep:
             return self.version
         switcher = self._switcher
         if self._group is None and switcher.ready:
-            try:
-                # The region's own backing was discarded by the sleep: neither kept nor
-                # handed back.
-                switch = switcher.step(self._wake_onto, before_is_gone=switcher.bound is None)
-            except SwitchFailed as failed:
-                raise PublishError(str(failed)) from failed
-            self._asleep = False
-            self._apply(switch)
-            return self.version
+            # The region's own backing was discarded by the sleep: neither kept nor handed back.
+            switch = switcher.step(self._wake_onto, before_is_gone=switcher.bound is None)
+            self._apply(switch, self._unreported)
+            if switch.version is not None:
+                self._asleep = False
+                return self.version
+            if switcher.bound is None:
+                raise PublishError(
+                    f"{switch.problem}; the engine's own weights were discarded by the sleep, so "
+                    "it stays asleep: publish again and wake"
+                )
+            self._unreported.append(f"{switch.problem}; woke onto the set bound before the sleep")
         if switcher.bound is not None:
             self._wake_onto(switcher.bound)
         else:
@@ -412,6 +545,7 @@ class Engine:
         """Disconnects the trainer and stops listening (the sets stay bound or held)."""
         self._drop_trainer()
         self._listener.close()
+        self._closed = True
 
     def __enter__(self) -> "Engine":
         return self
@@ -450,7 +584,8 @@ class Trainer:
     ) -> "Trainer":
         """Connects to the engine at ``path`` (retrying until ``timeout``), receives its
         manifest and imports its sets on ``device`` (default: the current device; it must be
-        the engine's GPU). ``access`` adds devices that may write the sets (a peer GPU).
+        the engine's GPU, else :class:`OfferMismatch`: a tensor-parallel rank's trainer passes
+        its engine's GPU). ``access`` adds devices that may write the sets (a peer GPU).
 
         ``expect`` (name → tensor or ``(shape, dtype)``): raise :class:`OfferMismatch` naming
         the first difference in names or shapes (and dtypes with ``check_dtypes``) before
@@ -482,15 +617,27 @@ class Trainer:
                 raise OfferMismatch(problem)
             for _ in range(manifest.sets):
                 _wait_for_message(channel, deadline, "a weight set")
-                imported.append(
-                    channel.receive_set(
-                        device,
-                        tag=manifest.tag,
-                        fingerprint=manifest.fingerprint,
-                        nbytes=manifest.nbytes,
-                        access=list(access) if access else None,
+                try:
+                    imported.append(
+                        channel.receive_set(
+                            device,
+                            tag=manifest.tag,
+                            fingerprint=manifest.fingerprint,
+                            nbytes=manifest.nbytes,
+                            access=list(access) if access else None,
+                        )
                     )
-                )
+                except OfferMismatch as mismatch:
+                    # The extension's message for a set of another GPU says what, not how to
+                    # fix it: a trainer that built its weights on its own current device.
+                    if "on another device" not in str(mismatch):
+                        raise
+                    raise OfferMismatch(
+                        f"{mismatch}: the sets live on the engine's GPU; import them there "
+                        f"(Trainer.connect(..., device=<the engine's GPU>); device {device} was "
+                        "asked) and write them from there, or from another GPU with peer access "
+                        "on purpose (access=[<the engine's GPU>, <the writing GPU>])"
+                    ) from None
         except BaseException:
             channel.close()
             raise

@@ -12,9 +12,6 @@ and exits 0 only if everything it checked held. Roles:
 - ``second PATH``: connects to an engine that has a trainer: must be refused.
 - ``fanout PATH,PATH SEED``: one trainer process publishing to two engines (a Trainer each).
 - ``hangup PATH``: connects and closes at once, before the handshake.
-- ``engine PATH DEVICE SEED,SEED,...``: builds the model on DEVICE in a region, serves it with
-  a captured graph, and checks each version it binds against the CPU reference; runs until
-  killed or stdin closes.
 """
 
 from __future__ import annotations
@@ -25,7 +22,7 @@ import time
 import torch
 
 import stablebuf
-from stablebuf.publish import Engine, Trainer
+from stablebuf.publish import Trainer
 
 # The model: tensor name → (shape, dtype). Mixed dtypes, so the trainer's cast is exercised.
 SHAPES = {
@@ -177,26 +174,6 @@ def main(argv) -> int:
         stablebuf._native.PublishChannel.connect(path).close()
         say("hung up")
         return 0
-    if role == "engine":
-        device = int(argv[3])
-        seeds = [int(s) for s in argv[4].split(",")]
-        torch.cuda.set_device(device)
-        tag = f"peer-engine-{device}"
-        tensors = build_model(tag, device, seed=0)
-        engine = Engine(tag, path, tensors)
-        served = Served(tag, tensors, device)
-        served.check(0, "initial")
-        say("ready")
-        while True:
-            try:
-                version = engine.poll()
-            except stablebuf.PeerClosed:
-                say("trainer gone")
-                return 0
-            if version is not None:
-                served.check(seeds[version - 1], f"version {version}")
-                say(f"served {version} ok")
-            time.sleep(0.001)
     say(f"unknown role {role}")
     return 2
 

@@ -58,6 +58,43 @@ def test_patching_a_graph_class_is_idempotent():
     assert cls.replay.__wrapped__ is original_replay, "wrapped once, not twice"
 
 
+def test_each_capture_clears_the_cublas_workspace_cache_before_it_begins(monkeypatch):
+    # Issue 38: a workspace cached before the capture is freed by CUDA graph trees' clear
+    # while the graph still writes through it; cleared first, the capture allocates its own
+    # in the graph's pool. A stand-in torch records the clear between the caller and the
+    # original capture_begin.
+    launched = []
+
+    class StandInGraph:
+        def capture_begin(self, pool=None, capture_error_mode="global"):
+            launched.append(("capture_begin", pool, capture_error_mode))
+
+        def capture_end(self):
+            launched.append("capture_end")
+
+        def replay(self):
+            launched.append("replay")
+
+    fake_torch = types.SimpleNamespace(
+        _C=types.SimpleNamespace(_cuda_clearCublasWorkspaces=lambda: launched.append("clear"))
+    )
+    monkeypatch.setitem(sys.modules, "torch", fake_torch)
+    assert _guard.patch_graph_class(StandInGraph) is True
+    assert _guard.patch_graph_class(StandInGraph) is False, "the second patch finds the first"
+    StandInGraph().capture_begin((0, 7), capture_error_mode="thread_local")
+    assert launched == ["clear", ("capture_begin", (0, 7), "thread_local")]
+    launched.clear()
+    monkeypatch.setattr(_guard, "OWN_CUBLAS_WORKSPACES", False)
+    StandInGraph().capture_begin()
+    assert launched == [("capture_begin", None, "global")], "the seam turns the clear off"
+    # A torch without the private function: the capture begins as it would without us.
+    monkeypatch.setattr(_guard, "OWN_CUBLAS_WORKSPACES", True)
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(_C=types.SimpleNamespace()))
+    launched.clear()
+    StandInGraph().capture_begin()
+    assert launched == [("capture_begin", None, "global")]
+
+
 def test_a_graph_captured_before_any_region_replays_unchecked():
     launched = []
     cls = _stand_in_graph_class(launched)

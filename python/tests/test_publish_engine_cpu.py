@@ -1,12 +1,18 @@
 """The engine's side of publishing (stablebuf.publish.Engine) without a GPU: its messages and
 binds around the version switch, on a fake channel and with the extension's bind, wake and
-sleep replaced by recorders. The engine is assembled by hand (its constructor needs a CUDA
-device); what it does with the pieces is the code under test. The GPU tests (test_publish.py,
-test_tp_publish.py) run the same paths on real memory."""
+sleep replaced by recorders, and the :class:`~stablebuf.publish.PollStatus` a serving loop
+gets from ``poll`` and ``rollback`` (a peer's failure is reported there, never raised; only
+misuse raises). Tensor-parallel ranks are threads (simulated_group.py). The engine is
+assembled by hand (its constructor needs a CUDA device); what it does with the pieces is the
+code under test. The GPU tests (test_publish.py, test_tp_publish.py) run the same paths on
+real memory."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
+from simulated_group import Group, run_ranks
 
 import stablebuf
 from stablebuf import _native, publish
@@ -85,25 +91,32 @@ class Calls:
 
 @pytest.fixture
 def make_engine(monkeypatch):
-    def make(sets: int = 2, keep_previous: bool = False, reduce_min=None):
+    """``make(...)`` assembles an engine (each with its own tag, region and recorder, so that
+    several can run side by side as the ranks of a group)."""
+    regions: dict = {}
+    monkeypatch.setattr(_native, "bind", lambda tag, ws: regions[tag].bind(tag, ws))
+    monkeypatch.setattr(_native, "wake_onto", lambda tag, ws: regions[tag].wake_onto(tag, ws))
+    monkeypatch.setattr(publish._sleep, "sleep", lambda tag, keep: regions[tag].log.append("sleep"))
+    monkeypatch.setattr(publish._sleep, "wake", lambda tag: regions[tag].log.append("wake"))
+
+    def make(sets: int = 2, keep_previous: bool = False, start_min=None, tag: str = "weights"):
         home = FakeSet(100)
         calls = Calls(home)
-        monkeypatch.setattr(_native, "bind", calls.bind)
-        monkeypatch.setattr(_native, "wake_onto", calls.wake_onto)
-        monkeypatch.setattr(publish._sleep, "sleep", lambda tag, keep: calls.log.append("sleep"))
-        monkeypatch.setattr(publish._sleep, "wake", lambda tag: calls.log.append("wake"))
+        regions[tag] = calls
         engine = object.__new__(publish.Engine)
-        engine.tag = "weights"
+        engine.tag = tag
         engine._sets = [FakeSet(i) for i in range(1, sets + 1)]
         engine._by_id = {ws.id: ws for ws in engine._sets}
         engine._listener = NoListener()
         engine._channel = FakeChannel()
         engine._versions = VersionBook()
-        engine._group = None if reduce_min is None else "a group"
+        engine._group = None if start_min is None else "a group"
         engine._switcher = VersionSwitcher(
-            lambda: calls.under, keep_previous=keep_previous, reduce_min=reduce_min
+            lambda: calls.under, keep_previous=keep_previous, start_min=start_min
         )
         engine._asleep = False
+        engine._closed = False
+        engine._unreported = []
         return engine, engine._channel, calls, home
 
     return make
@@ -114,54 +127,75 @@ def test_poll_binds_only_the_newest_commit_and_hands_back_the_rest(make_engine):
     s1, s2, s3 = engine._sets
     channel.commit(1, 1)
     channel.commit(2, 2)
-    assert engine.poll() == 2
+    status = engine.poll()
+    assert status == publish.PollStatus(version=2, bound=2, trainer_connected=True)
     assert calls.log == [("bind", s2)]  # one remap, not one per commit
     assert channel.released() == [1]  # the superseded commit; the home backing is not offered
     assert engine.version == 2 and engine.bound_set is s2 and engine.ready_versions == []
+    assert engine.last_committed == 2
     channel.commit(3, 3)
-    assert engine.poll() == 3 and channel.released() == [2]
-    assert engine.poll() is None and calls.log[-1] == ("bind", s3)
+    assert engine.poll().bound == 3 and channel.released() == [2]
+    assert engine.poll().bound is None and calls.log[-1] == ("bind", s3)
 
 
-def test_a_commit_of_a_set_the_engine_holds_drops_the_trainer(make_engine):
+def test_a_commit_of_a_set_the_engine_holds_drops_the_trainer_and_is_reported(make_engine):
     engine, channel, calls, _ = make_engine()
     channel.commit(1, 1)
     engine.poll()
     channel.commit(1, 2)  # set 1 is bound
-    with pytest.raises(stablebuf.PublishError, match="may not write"):
-        engine.poll()
+    status = engine.poll()
+    assert not status.trainer_connected and len(status.problems) == 1
+    assert "may not write" in status.problems[0]
     assert channel.closed and engine._channel is None and engine.version == 1
 
 
-def test_a_version_not_newer_goes_back_to_the_trainer(make_engine):
+def test_a_version_not_newer_goes_back_to_the_trainer_and_is_reported(make_engine):
     engine, channel, calls, _ = make_engine()
     channel.commit(1, 1)
     engine.poll()
     channel.released()
     channel.commit(2, 1)
-    with pytest.raises(stablebuf.VersionConflict):
-        engine.poll()
+    status = engine.poll()
+    assert status.trainer_connected and status.bound is None
+    assert status.problems and status.problems[0].startswith("VersionConflict")
     assert channel.released() == [2] and engine.version == 1 and len(calls.log) == 1
 
 
-def test_a_closed_trainer_is_raised_after_the_commits_before_it_are_bound(make_engine):
+def test_a_closed_trainer_is_reported_after_the_commits_before_it_are_bound(make_engine):
     engine, channel, calls, _ = make_engine()
     channel.commit(1, 1)
     channel.inbox.append("closed")
-    with pytest.raises(stablebuf.PeerClosed):
-        engine.poll()
-    assert engine.version == 1 and engine._channel is None
-    assert engine.poll() is None  # no trainer: nothing to do, nothing raised
+    status = engine.poll()
+    assert status.bound == 1 and status.version == 1 and not status.trainer_connected
+    assert len(status.problems) == 1 and "PeerClosed" in status.problems[0]
+    assert "keeps serving" in status.problems[0]
+    assert engine.poll() == publish.PollStatus(version=1)  # no trainer: nothing new to say
 
 
-def test_a_failed_bind_is_a_publish_error_and_the_version_stays_ready(make_engine):
+def test_a_failed_bind_is_reported_and_its_set_goes_back_to_the_trainer(make_engine):
     engine, channel, calls, home = make_engine()
     channel.commit(1, 1)
     calls.fail = True
-    with pytest.raises(stablebuf.PublishError, match="injected"):
+    status = engine.poll()
+    assert status.bound is None and status.refused == (1,) and status.version == 0
+    assert "injected bind failure" in status.problems[0]
+    assert calls.under is home and engine.ready_versions == []
+    assert channel.released() == [1], "the refused set is the trainer's again"
+    channel.commit(1, 2)  # the trainer writes that set again, as a newer version
+    assert engine.poll().bound == 2
+
+
+def test_misuse_raises(make_engine):
+    engine, channel, calls, _ = make_engine()
+    with pytest.raises(stablebuf.PublishError, match="keep_previous"):
+        engine.rollback()
+    kept, _, _, _ = make_engine(sets=3, keep_previous=True, tag="kept")
+    kept.sleep()
+    with pytest.raises(stablebuf.PublishError, match="asleep"):
+        kept.rollback()
+    engine.close()
+    with pytest.raises(stablebuf.PublishError, match="closed"):
         engine.poll()
-    assert engine.version == 0 and calls.under is home and engine.ready_versions == [1]
-    assert engine.poll() == 1
 
 
 def test_asleep_the_newest_commit_waits_and_the_wake_maps_it_once(make_engine):
@@ -170,10 +204,37 @@ def test_asleep_the_newest_commit_waits_and_the_wake_maps_it_once(make_engine):
     engine.sleep()
     channel.commit(1, 1)
     channel.commit(2, 2)
-    assert engine.poll() is None and channel.released() == [1]  # the trainer may go on
+    assert engine.poll().bound is None and channel.released() == [1]  # the trainer may go on
     assert engine.wake() == 2
     assert calls.log == ["sleep", ("wake_onto", s2)]  # no bind, no second mapping
     assert channel.released() == []  # the discarded home backing is not offered
+
+
+def test_wait_for_commit_reads_the_commit_and_binds_nothing(make_engine):
+    engine, channel, calls, _ = make_engine(sets=3)
+    engine.sleep()
+    start = time.monotonic()
+    assert not engine.wait_for_commit(1, timeout=0.05)
+    assert time.monotonic() - start >= 0.05
+    channel.commit(1, 1)
+    assert engine.wait_for_commit(1, timeout=5)
+    assert engine.ready_versions == [1] and calls.log == ["sleep"]
+    assert engine.wake() == 1 and calls.log[-1] == ("wake_onto", engine._sets[0])
+
+
+def test_a_failed_wake_onto_a_commit_hands_it_back_and_stays_asleep(make_engine):
+    engine, channel, calls, _ = make_engine()
+    engine.sleep()
+    channel.commit(1, 1)
+    engine.wait_for_commit(1)
+
+    def failing_wake_onto(tag, weight_set):
+        raise stablebuf.Error("injected wake failure")
+
+    calls.wake_onto = failing_wake_onto
+    with pytest.raises(stablebuf.PublishError, match="injected wake failure.*stays asleep"):
+        engine.wake()
+    assert engine._asleep and engine.ready_versions == [] and channel.released() == [1]
 
 
 def test_a_wake_with_nothing_new_maps_the_bound_set_back(make_engine):
@@ -192,10 +253,13 @@ def test_a_rollback_is_one_bind_and_the_set_left_goes_back(make_engine):
     channel.commit(2, 2)
     engine.poll()
     channel.released()
-    assert engine.rollback() == 1
+    assert engine.previous_version == 1
+    status = engine.rollback()
+    assert status.bound == 1 and status.version == 1 and not status.problems
     assert calls.log[-1] == ("bind", s1) and channel.released() == [2]
-    with pytest.raises(stablebuf.PublishError, match="no version to roll back to"):
-        engine.rollback()
+    again = engine.rollback()  # one step back only: said, not raised
+    assert again.bound is None and "no version to roll back to" in again.problems[0]
+    assert engine.version == 1 and engine.previous_version is None
 
 
 def test_keep_previous_needs_three_sets():
@@ -203,15 +267,114 @@ def test_keep_previous_needs_three_sets():
         publish.Engine("weights", "/nonexistent/engine.sock", {}, sets=2, keep_previous=True)
 
 
-def test_a_group_engine_asks_the_group_at_every_boundary(make_engine):
+def test_a_group_engine_agrees_at_every_boundary_and_binds_at_the_next(make_engine):
     rounds = []
 
     def alone(values):
         rounds.append(list(values))
-        return list(values)
+        return lambda: list(values)
 
-    engine, channel, calls, _ = make_engine(reduce_min=alone)
-    assert engine.poll() is None and rounds == [[-1, 1, 0]]  # nothing new: one round
+    engine, channel, calls, _ = make_engine(start_min=alone)
+    assert engine.poll() == publish.PollStatus(version=0, trainer_connected=True)
+    assert rounds == [[-1, 1, 0]]  # the offers, read at the next boundary
     channel.commit(1, 1)
-    assert engine.poll() == 1
-    assert rounds[1:] == [[1, -1, 1], [2]]  # the version, then every rank's bind
+    assert engine.poll().bound is None  # reads the offers made before version 1 came
+    assert engine.poll().bound == 1  # reads the offer of version 1: binds it
+    # One reduction of three integers per boundary; the bind's answer (2: bound) with a switch.
+    assert rounds == [[-1, 1, 0], [1, -1, 1], [2], [-1, 1, 1]]
+
+
+def test_a_version_one_rank_fails_to_bind_goes_back_to_every_ranks_trainer(make_engine):
+    """Three ranks' engines on threads; rank 1's bind fails: every rank reports the refusal,
+    none switches, and every rank hands the set back to its trainer, which publishes the
+    next version, bound on every rank."""
+    ranks = 3
+    group = Group(ranks)
+    engines = [
+        make_engine(sets=3, keep_previous=True, start_min=group.start_min(r), tag=f"rank{r}")
+        for r in range(ranks)
+    ]
+
+    def body(rank: int):
+        engine, channel, calls, _ = engines[rank]
+        engine.poll()
+        channel.commit(1, 1)
+        engine.poll()
+        channel.released()
+        calls.fail = rank == 1
+        refused = engine.poll()
+        handed_back = channel.released()
+        channel.commit(1, 2)
+        engine.poll()
+        bound = engine.poll()
+        return refused, handed_back, bound, engine.version
+
+    for rank, (refused, handed_back, bound, version) in enumerate(run_ranks(ranks, body, group)):
+        assert refused.refused == (1,) and refused.bound is None and refused.version == 0
+        assert refused.group_in_step and len(refused.problems) == 1
+        expected = "this rank's bind failed" if rank == 1 else "another rank's bind failed"
+        assert expected in refused.problems[0], refused.problems
+        assert handed_back == [1], f"rank {rank} kept the refused set from its trainer"
+        assert bound.bound == 2 and version == 2 and not bound.problems
+
+
+def test_a_lost_group_is_reported_and_the_engine_serves_on(make_engine):
+    calls_made = []
+
+    def broken(values):
+        calls_made.append(values)
+        if len(calls_made) > 1:
+            raise RuntimeError("[gloo] Connection closed by peer")
+        return lambda: list(values)
+
+    engine, channel, calls, _ = make_engine(start_min=broken)
+    engine.poll()
+    channel.commit(1, 1)
+    status = engine.poll()
+    assert not status.group_in_step and status.bound is None and status.version == 0
+    assert "Connection closed by peer" in status.problems[0]
+    assert channel.released() == [1], "a set that can never be bound goes back"
+    assert engine.poll() == publish.PollStatus(
+        version=0, trainer_connected=True, group_in_step=False
+    )
+
+
+def test_a_failed_handshake_is_reported_once_and_changes_nothing(make_engine):
+    class HangsUp:
+        """A trainer that hung up before the handshake."""
+
+        closed = False
+
+        def send_manifest(self, text) -> None:
+            raise stablebuf.PeerClosed("the peer closed the connection")
+
+        def close(self) -> None:
+            self.closed = True
+
+    class Manifest:
+        fingerprint = 7
+
+        def with_published(self, version):
+            return self
+
+        def to_json(self) -> str:
+            return "{}"
+
+    class Listener:
+        def __init__(self, *channels) -> None:
+            self.waiting = list(channels)
+
+        def accept(self):
+            return self.waiting.pop(0) if self.waiting else None
+
+    engine, _, _, _ = make_engine()
+    engine._channel = None
+    engine.manifest = Manifest()
+    early = HangsUp()
+    engine._listener = Listener(early)
+    status = engine.poll()
+    assert early.closed and not status.trainer_connected and status.version == 0
+    assert status.problems == (
+        "a trainer's handshake failed: PeerClosed: the peer closed the connection",
+    )
+    assert engine.poll().problems == (), "said once"

@@ -1,14 +1,17 @@
 """The engine's version switch (stablebuf._switcher): which committed set is bound, which go
 back to the trainer, rollbacks, and, across simulated tensor-parallel ranks (threads with a
-barrier for the group's reduction), one version on every rank after every step boundary,
-whatever the ranks receive, skip or fail. Pure Python: no torch, no GPU."""
+barrier for the group's reduction: simulated_group.py), one version on every rank after every
+step boundary whatever the ranks receive, skip or fail, and every set back with its trainer
+unless the engine binds, keeps or holds it (a refused version's set on every rank). Pure
+Python: no torch, no GPU."""
 
 from __future__ import annotations
 
 import random
-import threading
+from typing import List, Optional
 
 import pytest
+from simulated_group import Group, run_ranks
 
 from stablebuf._switcher import NOTHING_NEW, Switch, SwitchFailed, VersionSwitcher
 
@@ -74,16 +77,21 @@ def test_a_commit_naming_a_held_set_is_refused_and_changes_nothing():
     assert switcher.ready == {} and switcher.version == 1
 
 
-def test_a_failed_bind_changes_nothing_and_the_version_stays_ready():
+def test_a_failed_bind_refuses_the_version_and_hands_its_set_back():
     region, switcher, home = lone()
-    a = WeightSet("a")
+    a, b = WeightSet("a"), WeightSet("b")
     switcher.committed(a, 1)
+    switcher.committed(b, 2)
     region.fail_next = True
-    with pytest.raises(SwitchFailed, match="injected") as failed:
-        switcher.step(region.bind)
-    assert isinstance(failed.value.__cause__, RuntimeError)
-    assert region.under is home and switcher.version == 0 and switcher.ready == {1: a}
-    assert switcher.step(region.bind) == Switch(1, [])  # the next boundary binds it
+    done = switcher.step(region.bind)
+    assert done.version is None and done.refused == [2]
+    assert done.released == [a, b], "the refused set and the older one go back to the trainer"
+    assert "injected bind failure" in done.problem and "still on version 0" in done.problem
+    assert region.under is home and switcher.version == 0 and switcher.ready == {}
+    assert switcher.step(region.bind) == Switch(), "a refused version is not tried again"
+    c = WeightSet("c")
+    switcher.committed(c, 3)
+    assert switcher.step(region.bind) == Switch(3, [])  # the next version binds
 
 
 def test_a_kept_previous_version_comes_back_in_one_bind():
@@ -98,8 +106,9 @@ def test_a_kept_previous_version_comes_back_in_one_bind():
     binds = region.binds
     assert switcher.rollback(region.bind) == Switch(1, [b])
     assert region.under is a and region.binds == binds + 1 and switcher.version == 1
-    with pytest.raises(SwitchFailed, match="no version to roll back to"):
-        switcher.rollback(region.bind)  # one step back only
+    again = switcher.rollback(region.bind)  # one step back only: said, not raised
+    assert again.version is None and "no version to roll back to" in again.problem
+    assert region.binds == binds + 1
     assert switcher.step(region.bind) == Switch(3, [])  # the waiting version, a kept again
     assert switcher.previous == (a, 1)
 
@@ -112,41 +121,20 @@ def test_rollbacks_need_keep_previous():
         switcher.rollback(region.bind)
 
 
-def test_a_failed_rollback_changes_nothing():
+def test_a_failed_rollback_changes_nothing_and_keeps_the_previous_version():
     region, switcher, home = lone(keep_previous=True)
     a = WeightSet("a")
     switcher.committed(a, 1)
     switcher.step(region.bind)
     region.fail_next = True
-    with pytest.raises(SwitchFailed, match="rollback to version 0 failed"):
-        switcher.rollback(region.bind)
+    done = switcher.rollback(region.bind)
+    assert done.version is None and done.released == [] and done.refused == []
+    assert "rollback to version 0 was refused" in done.problem
     assert region.under is a and switcher.version == 1 and switcher.previous == (home, 0)
+    assert switcher.rollback(region.bind) == Switch(0, [a])  # it may be tried again
 
 
 # ------------------------------------------------------------------ ranks
-
-
-class Group:
-    """The group's reduction for threads: every rank puts its values, waits for the others,
-    takes the minimum, and waits again so that nobody writes the next round's values early.
-    A rank that calls it out of step with the others breaks the barrier (a failure, not a
-    hang)."""
-
-    def __init__(self, ranks: int) -> None:
-        self.barrier = threading.Barrier(ranks, timeout=20)
-        self.slots: list = [None] * ranks
-        self.rounds = [0] * ranks
-
-    def reduce_min(self, rank: int):
-        def reduce_min(values):
-            self.rounds[rank] += 1
-            self.slots[rank] = list(values)
-            self.barrier.wait()
-            result = [min(column) for column in zip(*self.slots)]
-            self.barrier.wait()
-            return result
-
-        return reduce_min
 
 
 def plan(seed: int, ranks: int, steps: int, versions: int):
@@ -164,79 +152,263 @@ def plan(seed: int, ranks: int, steps: int, versions: int):
     return per_rank, rollbacks
 
 
-def run_rank(rank, group, per_rank, rollbacks, spare_sets, keep_previous, log, errors):
-    try:
-        commits, arrivals, failures = per_rank[rank]
-        home = WeightSet(f"r{rank}-home")
-        region = Region(home)
-        switcher = VersionSwitcher(
-            lambda: region.under,
+class SimulatedRank:
+    """One rank: its region, its switcher and its trainer (commits in order, each into a set
+    the engine handed back), with the rules checked after every boundary."""
+
+    def __init__(self, rank: int, group: Group, spare_sets: int, keep_previous: bool) -> None:
+        self.home = WeightSet(f"r{rank}-home")
+        self.region = Region(self.home)
+        self.switcher = VersionSwitcher(
+            lambda: self.region.under,
             keep_previous=keep_previous,
-            reduce_min=group.reduce_min(rank),
+            start_min=group.start_min(rank),
         )
-        free = [WeightSet(f"r{rank}-s{i}") for i in range(spare_sets)]
-        version_of = {id(home): 0}
-        queue = list(commits)
-        for step, (arriving, fail) in enumerate(zip(arrivals, failures)):
-            # The trainer commits what it can: a version needs a set the engine released.
-            for _ in range(arriving):
-                if queue and free:
-                    weight_set, version = free.pop(0), queue.pop(0)
-                    version_of[id(weight_set)] = version
-                    switcher.committed(weight_set, version)
-            region.fail_next = fail
-            try:
-                if rollbacks[step] and keep_previous:
-                    done = switcher.rollback(region.bind)
-                else:
-                    done = switcher.step(region.bind)
-                outcome = "ok"
-            except SwitchFailed:
-                done, outcome = Switch(), "refused"
-            region.fail_next = False
-            held = switcher.held()
-            for weight_set in done.released:
-                assert weight_set is not region.under, "released the set under the region"
-                assert all(weight_set is not h for h in held), "released a set it holds"
-                if weight_set is not home:
-                    free.append(weight_set)
-            assert region.under is (switcher.bound or home)
-            assert version_of[id(region.under)] == switcher.version
-            log[rank].append((switcher.version, outcome))
-    except BaseException as error:  # report it from the main thread
-        errors.append((rank, error))
-        group.barrier.abort()
+        self.spares = [WeightSet(f"r{rank}-s{i}") for i in range(spare_sets)]
+        self.free = list(self.spares)  # the trainer's
+        self.version_of = {id(self.home): 0}
+        self.refused: set = set()
+        self.bound: set = set()
+
+    def commit(self, version: int) -> bool:
+        """The trainer publishes ``version`` if it has a free set; returns whether it did."""
+        if not self.free:
+            return False
+        weight_set = self.free.pop(0)
+        self.version_of[id(weight_set)] = version
+        self.switcher.committed(weight_set, version)
+        return True
+
+    def boundary(self, *, rollback: bool = False, fail: bool = False) -> tuple:
+        """One step boundary (or rollback); returns what every rank must agree on."""
+        switcher, region = self.switcher, self.region
+        region.fail_next = fail
+        done = switcher.rollback(region.bind) if rollback else switcher.step(region.bind)
+        region.fail_next = False
+        held = switcher.held()
+        for weight_set in done.released:
+            assert weight_set is not region.under, "released the set under the region"
+            assert all(weight_set is not h for h in held), "released a set it holds"
+            assert all(weight_set is not f for f in self.free), "released a set twice"
+            if weight_set is not self.home:
+                self.free.append(weight_set)
+        for version in done.refused:
+            assert version not in switcher.ready, "a refused version is still waiting"
+            self.refused.add(version)
+        if done.version is not None and not rollback:
+            assert done.version not in self.refused, "a refused version was bound later"
+            self.bound.add(done.version)
+        assert region.under is (switcher.bound or self.home)
+        assert self.version_of[id(region.under)] == switcher.version
+        # Every set is the trainer's, or bound, kept or waiting here: none is lost.
+        mine = [id(s) for s in self.free] + [id(s) for s in held if s is not self.home]
+        assert sorted(mine) == sorted(map(id, self.spares)), "a set was lost or doubled"
+        refused_rollback = rollback and done.problem is not None and "refused" in done.problem
+        return (switcher.version, done.version, tuple(done.refused), refused_rollback)
 
 
 @pytest.mark.parametrize("ranks", [2, 3, 4])
 @pytest.mark.parametrize("keep_previous", [False, True])
 @pytest.mark.parametrize("seed", range(12))
 def test_every_rank_serves_the_same_version_after_every_step(ranks, keep_previous, seed):
-    steps = 120
+    steps, settle = 120, 240
     per_rank, rollbacks = plan(seed * 31 + ranks, ranks, steps, versions=60)
     group = Group(ranks)
-    log: list = [[] for _ in range(ranks)]
-    errors: list = []
-    threads = [
-        threading.Thread(
-            target=run_rank,
-            args=(r, group, per_rank, rollbacks, 2 + keep_previous, keep_previous, log, errors),
-        )
-        for r in range(ranks)
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, f"seed {seed}: {errors[0][1]!r} on rank {errors[0][0]}"
-    for step in range(steps):
-        seen = {log[r][step] for r in range(ranks)}
+
+    def body(rank: int):
+        commits, arrivals, failures = per_rank[rank]
+        me = SimulatedRank(rank, group, 2 + keep_previous, keep_previous)
+        queue = list(commits)
+        log = []
+        for step in range(steps):
+            for _ in range(arrivals[step]):
+                if queue and me.commit(queue[0]):
+                    queue.pop(0)
+            rollback = rollbacks[step] and keep_previous
+            log.append(me.boundary(rollback=rollback, fail=failures[step]))
+        # Then the trainer publishes the rest as fast as sets come back, nothing fails: every
+        # trainer gets to its last version (no set is kept from it for good), and the group
+        # binds the newest every rank has.
+        for _ in range(settle):
+            while queue and me.commit(queue[0]):
+                queue.pop(0)
+            log.append(me.boundary())
+        return me, queue, log
+
+    results = run_ranks(ranks, body, group)
+    logs = [log for _, _, log in results]
+    for step in range(steps + settle):
+        seen = {logs[r][step] for r in range(ranks)}
         assert len(seen) == 1, f"seed {seed}, step {step}: the ranks disagree: {seen}"
-    versions = [log[0][s][0] for s in range(steps)]
-    assert max(versions) > 10, f"seed {seed}: the group hardly moved: {versions}"
-    assert any(outcome == "refused" for _, outcome in log[0]), "no failure was exercised"
-    # One reduction per boundary with nothing new, two with a switch: the same count on every rank.
+    versions = [entry[0] for entry in logs[0]]
+    assert max(versions[:steps]) > 10, f"seed {seed}: the group hardly moved: {versions}"
+    assert any(entry[2] for entry in logs[0]), "no refused switch was exercised"
+    for rank, (me, queue, _) in enumerate(results):
+        assert queue == [], f"rank {rank}'s trainer never got a set for {queue[:3]}..."
+    # What every rank has received: nothing older than that may still wait anywhere.
+    settled = min(me.switcher.last for me, _, _ in results)
+    common = set.intersection(*(set(me.switcher.ready) for me, _, _ in results))
+    for rank, (me, _, _) in enumerate(results):
+        stuck = [v for v in me.switcher.ready if v <= settled or v in common]
+        assert not stuck, f"rank {rank}: versions {stuck} still wait after the group settled"
+    # A boundary with nothing new costs one reduction, a switch two, a rollback two or three:
+    # the same count on every rank.
     assert len(set(group.rounds)) == 1
+
+
+def ranks_run(ranks: int, body, group: Optional[Group] = None) -> list:
+    return run_ranks(ranks, body, group or Group(ranks))
+
+
+def test_a_version_every_rank_has_is_bound_at_the_boundary_after_the_one_that_found_it():
+    group = Group(2)
+
+    def body(rank: int) -> List[tuple]:
+        me = SimulatedRank(rank, group, 2, keep_previous=False)
+        seen = [me.boundary()]  # starts the first offers: nothing to read yet
+        me.commit(1)
+        seen.append(me.boundary())  # reads the offers made before version 1 arrived
+        seen.append(me.boundary())  # reads the offers of version 1: binds it
+        return seen
+
+    first, second = ranks_run(2, body, group)
+    assert first == second == [(0, None, (), False), (0, None, (), False), (1, 1, (), False)]
+    # Offers (newest, its negation, newest commit), then the bind's answer (2: bound).
+    assert group.values[0] == [[-1, 1, 0], [1, -1, 1], [2], [-1, 1, 1]]
+
+
+def test_a_version_refused_by_one_rank_goes_back_to_the_trainer_on_every_rank():
+    group = Group(3)
+
+    def body(rank: int):
+        me = SimulatedRank(rank, group, 2, keep_previous=False)
+        me.boundary()
+        me.commit(1)
+        me.boundary()
+        refused = me.boundary(fail=rank == 1)
+        free_after = len(me.free)
+        me.commit(2)
+        me.boundary()
+        bound = me.boundary()
+        return refused, free_after, bound, me
+
+    results = ranks_run(3, body, group)
+    for rank, (refused, free_after, bound, me) in enumerate(results):
+        assert refused == (0, None, (1,), False), f"rank {rank}: {refused}"
+        assert free_after == 2, f"rank {rank}: the refused set did not come back"
+        assert bound == (2, 2, (), False), f"rank {rank}: the next version was not bound"
+        # Rank 1's bind of version 1 failed; the others bound it, went back, then bound 2.
+        assert me.region.binds == (1 if rank == 1 else 3)
+        assert me.version_of[id(me.region.under)] == 2
+
+
+def test_a_rank_whose_binds_always_fail_keeps_no_trainer_waiting():
+    """The fault the random test of the first protocol could not show: a rank that never
+    binds. Every version is refused on every rank, every set comes back to every trainer, and
+    each trainer publishes all its versions; nobody switches."""
+    ranks, versions = 3, 20
+    group = Group(ranks)
+
+    def body(rank: int):
+        me = SimulatedRank(rank, group, 3, keep_previous=True)
+        queue = list(range(1, versions + 1))
+        for _ in range(6 * versions):
+            while queue and me.commit(queue[0]):
+                queue.pop(0)
+            me.boundary(fail=rank == 2)
+        return me, queue
+
+    for rank, (me, queue) in enumerate(ranks_run(ranks, body, group)):
+        assert queue == [], f"rank {rank}: its trainer was left without a set at {queue[0]}"
+        assert me.switcher.version == 0 and me.bound == set()
+        assert me.refused, f"rank {rank}: nothing was refused"
+        assert len(me.free) + len(me.switcher.ready) == 3
+
+
+def test_versions_arriving_while_the_ranks_narrow_down_are_not_thrown_away():
+    """Rank 0 has version 5, rank 1 version 3: the next offers stay at or below 3. Meanwhile
+    rank 1 receives 4 and 5: 5 is then common and must be bound, not dropped as a version
+    some rank lacks (the answer under the ceiling says nothing above it)."""
+    group = Group(2)
+
+    def body(rank: int):
+        me = SimulatedRank(rank, group, 4, keep_previous=False)
+        me.boundary()
+        me.commit(5 if rank == 0 else 3)
+        me.boundary()  # offers 5 and 3
+        if rank == 1:
+            me.commit(4)
+            me.commit(5)
+        me.boundary()  # reads 5/3: the next offers stay at or below 3
+        me.boundary()  # reads -1/3: nothing common up to 3; rank 1's 3 is dead, 5 stays
+        return [me.boundary(), me.boundary()], sorted(me.switcher.ready), me
+
+    for rank, (last_two, ready, me) in enumerate(ranks_run(2, body, group)):
+        assert (5, 5, (), False) in last_two, f"rank {rank}: version 5 was never bound"
+        assert ready == [] and me.switcher.version == 5
+        assert len(me.free) == 3, f"rank {rank}: a set did not come back"
+
+
+def test_a_rank_that_cannot_bind_back_is_split_and_the_group_switches_no_more():
+    group = Group(2)
+
+    class BackFails(Region):
+        """Binds the new set, then fails: both the other rank's refusal and the way back."""
+
+        def bind(self, weight_set):
+            if self.binds >= 1:
+                raise RuntimeError("the way back failed")
+            super().bind(weight_set)
+
+    def body(rank: int):
+        me = SimulatedRank(rank, group, 3, keep_previous=True)
+        if rank == 0:
+            me.region = BackFails(me.home)
+        me.boundary()
+        me.commit(1)
+        me.boundary()
+        me.region.fail_next = rank == 1
+        done = me.switcher.step(me.region.bind)
+        me.region.fail_next = False
+        me.commit(2)
+        later = [me.switcher.step(me.region.bind) for _ in range(3)]
+        rollback = me.switcher.rollback(me.region.bind)
+        return done, later, rollback, me
+
+    (done0, later0, rollback0, r0), (done1, later1, rollback1, r1) = ranks_run(2, body, group)
+    assert done0.refused == done1.refused == [1]
+    assert "Split from the group" in done0.problem and not r0.switcher.in_step
+    assert r0.switcher.version == 1 and r0.region.under is r0.switcher.bound  # says what is true
+    assert r1.switcher.in_step and r1.switcher.version == 0
+    assert all(s.version is None for s in later0 + later1), "a split group switched"
+    assert rollback0.version is None and rollback1.version is None
+    assert "no version to roll back to" in rollback1.problem
+    # The split rank hands every new set back, and what it cannot use any more.
+    released0 = [s for switch in [done0, *later0] for s in switch.released]
+    assert r0.home in released0 and any(s.name.endswith("s1") for s in released0)
+
+
+def test_a_lost_group_hands_every_set_back_and_switches_no_more():
+    region, _, home = lone(keep_previous=True)
+    calls = []
+
+    def broken(values):
+        calls.append(list(values))
+        if len(calls) > 1:
+            raise RuntimeError("Connection closed by peer")
+        return lambda: list(values)
+
+    switcher = VersionSwitcher(lambda: region.under, keep_previous=True, start_min=broken)
+    a, b = WeightSet("a"), WeightSet("b")
+    assert switcher.step(region.bind) == Switch()  # the first offers start
+    switcher.committed(a, 1)
+    lost = switcher.step(region.bind)  # reads them, starts the next: raises
+    assert not switcher.in_step and "Connection closed by peer" in lost.problem
+    assert lost.released == [a] and switcher.ready == {}
+    switcher.committed(b, 2)
+    assert switcher.step(region.bind) == Switch(None, [b])
+    assert "agreement is lost" in switcher.rollback(region.bind).problem
+    assert region.binds == 0 and region.under is home and len(calls) == 2
 
 
 def test_nothing_new_is_below_every_version():
@@ -254,7 +426,7 @@ def test_a_wake_onto_a_new_version_neither_keeps_nor_hands_back_the_discarded_ba
 
 
 def test_a_group_switch_must_be_able_to_go_back():
-    switcher = VersionSwitcher(lambda: None, reduce_min=lambda values: list(values))
+    switcher = VersionSwitcher(lambda: None, start_min=lambda values: lambda: list(values))
     with pytest.raises(ValueError, match="before_is_gone"):
         switcher.step(lambda weight_set: None, before_is_gone=True)
 

@@ -1,7 +1,9 @@
 """GPU test of ``python/examples/tp_decode.py``: tensor-parallel decode over stablebuf regions
 on 2 and 4 GPUs of one host.
 
-Each case runs the example with ``--small`` under ``torch.distributed.run`` (torchrun: one
+Each case runs the example, at ``--small`` (64 MiB of weights per rank at 2 ranks) or at its
+default size (2 GiB of weights over the ranks, where issue 38's fault showed: a hand-captured
+graph beside ``torch.compile``'s graph trees), under ``torch.distributed.run`` (torchrun: one
 process per GPU, NCCL) in its own process group, with a timeout (``TP_DECODE_TIMEOUT``
 seconds, 300 by default) after which every process of the run is killed, and asserts exit 0
 and the example's final line ``tp_decode: N ranks, all outputs correct``. The example checks
@@ -40,13 +42,15 @@ def _tail(text: str, lines: int = 60) -> str:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "ranks",
+    ("ranks", "size"),
     [
-        pytest.param(n, marks=pytest.mark.skipif(_gpu_count() < n, reason=f"needs {n} CUDA GPUs"))
-        for n in (2, 4)
+        pytest.param(
+            n, size, marks=pytest.mark.skipif(_gpu_count() < n, reason=f"needs {n} CUDA GPUs")
+        )
+        for n, size in ((1, "default"), (2, "small"), (2, "default"), (4, "small"), (4, "default"))
     ],
 )
-def test_tp_decode_example_swaps_weight_sets_under_a_graph_with_all_reduces(ranks):
+def test_tp_decode_example_swaps_weight_sets_under_a_graph_with_all_reduces(ranks, size):
     env = dict(os.environ)
     # The ranks import the stablebuf this test imported (PYTHONPATH passed through, with its
     # folder first), never the source folder python/stablebuf, which has no extension.
@@ -60,7 +64,7 @@ def test_tp_decode_example_swaps_weight_sets_under_a_graph_with_all_reduces(rank
         str(ranks),
         "--standalone",
         EXAMPLE,
-        "--small",
+        *(["--small"] if size == "small" else []),
     ]
     # A session of its own, so that a hung run's ranks (torchrun's children) are killed too.
     process = subprocess.Popen(

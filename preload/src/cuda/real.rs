@@ -145,6 +145,9 @@ function_table! {
         cuCtxGetCurrent: fn(*mut *mut c_void) -> c_int;
         cuCtxSetCurrent: fn(*mut c_void) -> c_int;
         cuCtxGetDevice: fn(*mut c_int) -> c_int;
+        cuDeviceGet: fn(*mut c_int, c_int) -> c_int;
+        cuDevicePrimaryCtxRetain: fn(*mut *mut c_void, c_int) -> c_int;
+        cuDevicePrimaryCtxRelease_v2: fn(c_int) -> c_int;
     }
 }
 
@@ -426,6 +429,31 @@ pub fn driver_current_device() -> Result<usize, Fail> {
         });
     }
     usize::try_from(device).map_err(|_| Fail::Internal(format!("device {device}")))
+}
+
+/// The primary context of device `ordinal`, the context the layer's own allocations are made
+/// in (cudarc works in primary contexts, and holds a reference to each one it uses, so taking
+/// and dropping one more here neither creates nor destroys it). `None` if the driver cannot say.
+pub fn primary_context(ordinal: usize) -> Option<*mut c_void> {
+    let driver = driver()?;
+    let (get, retain, release) = (
+        driver.cuDeviceGet?,
+        driver.cuDevicePrimaryCtxRetain?,
+        driver.cuDevicePrimaryCtxRelease_v2?,
+    );
+    let mut device: c_int = 0;
+    // SAFETY: one valid out-pointer and an ordinal.
+    if unsafe { get(&mut device, c_int::try_from(ordinal).ok()?) } != cu::SUCCESS {
+        return None;
+    }
+    let mut context: *mut c_void = std::ptr::null_mut();
+    // SAFETY: one valid out-pointer and a device the driver just named.
+    if unsafe { retain(&mut context, device) } != cu::SUCCESS {
+        return None;
+    }
+    // SAFETY: drops the reference taken just above.
+    unsafe { release(device) };
+    (!context.is_null()).then_some(context)
 }
 
 /// Whether `stream` is capturing. Unknown (no runtime) reads as capturing: the caller then

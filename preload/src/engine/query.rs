@@ -9,7 +9,8 @@
 //! answers the range attributes from its ownership table (one allocation: its start, the size
 //! asked for), asks the driver about the allocation's start for the per-allocation
 //! identifiers (so every pointer into it gets the same ones), refuses to hand out a physical
-//! handle (as CUDA does for `cudaMalloc` memory), and passes everything else through.
+//! handle (as CUDA does for `cudaMalloc` memory), names the allocating (primary) context
+//! where the driver names none for a VMM mapping, and passes everything else through.
 
 /// An allocation of the layer, as a pointer query describes it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -29,6 +30,7 @@ impl Allocation {
 
 /// `CUpointer_attribute` values (cuda.h) the layer answers or redirects.
 pub mod attribute {
+    pub const CONTEXT: i32 = 1;
     pub const BUFFER_ID: i32 = 7;
     pub const IS_LEGACY_CUDA_IPC_CAPABLE: i32 = 10;
     pub const RANGE_START_ADDR: i32 = 11;
@@ -50,6 +52,10 @@ pub enum Answer {
     AskAt(u64),
     /// Ask the driver about the caller's pointer, unchanged.
     PassThrough,
+    /// Ask the driver; where it names no context (VMM mappings belong to none), answer the
+    /// primary context of this device, the one the layer allocated in: `cudaMalloc` memory
+    /// names the context it was allocated in.
+    ContextOf { device: usize },
 }
 
 /// The answer for `attribute` of a pointer into `allocation`.
@@ -67,6 +73,9 @@ pub fn answer(attribute: i32, allocation: &Allocation) -> Answer {
         // layer refuses cudaIpcGetMemHandle on it. The one documented difference from a plain
         // `cudaMalloc` (which answers 1).
         IS_LEGACY_CUDA_IPC_CAPABLE => Answer::PassThrough,
+        CONTEXT => Answer::ContextOf {
+            device: allocation.device,
+        },
         _ => Answer::PassThrough,
     }
 }
@@ -116,10 +125,18 @@ mod tests {
 
     #[test]
     fn the_rest_is_the_drivers_answer_about_the_callers_pointer() {
-        // Memory type, device ordinal, context, mapped, legacy IPC: the driver's own answer.
-        for attribute in [1, 2, 3, 6, 8, 9, IS_LEGACY_CUDA_IPC_CAPABLE, 13, 15, 16] {
+        // Memory type, device ordinal, mapped, legacy IPC: the driver's own answer.
+        for attribute in [2, 3, 6, 8, 9, IS_LEGACY_CUDA_IPC_CAPABLE, 13, 15, 16] {
             assert_eq!(answer(attribute, &ALLOCATION), Answer::PassThrough);
         }
+    }
+
+    #[test]
+    fn the_context_falls_back_to_the_allocations_device() {
+        assert_eq!(
+            answer(CONTEXT, &ALLOCATION),
+            Answer::ContextOf { device: 1 }
+        );
     }
 
     #[test]

@@ -396,6 +396,22 @@ unsafe fn answer_attribute(
         Answer::AskAt(start) => unsafe { real(data, attribute, start) },
         // SAFETY: the caller's arguments, passed on unchanged.
         Answer::PassThrough => unsafe { real(data, attribute, ptr) },
+        Answer::ContextOf { device } => {
+            // SAFETY: the caller's arguments, passed on unchanged.
+            let code = unsafe { real(data, attribute, ptr) };
+            if code != cu::SUCCESS || data.is_null() {
+                return code;
+            }
+            // SAFETY: CONTEXT's value is a CUcontext, one pointer, just written by the driver.
+            let named = unsafe { (data as *mut *mut c_void).read_unaligned() };
+            if named.is_null() {
+                if let Some(context) = real::primary_context(device) {
+                    // SAFETY: as above: the caller's storage for one CUcontext.
+                    unsafe { (data as *mut *mut c_void).write_unaligned(context) };
+                }
+            }
+            code
+        }
     }
 }
 
