@@ -93,7 +93,11 @@ else
   tests=(python/tests)
 fi
 
-step "pytest" pytest.log "$python" -m pytest -v -rs -p no:cacheprovider "${tests[@]}"
+select=()
+# The one-GPU cases of these files (tp_decode at 1 rank, tp_publish with every rank on one GPU)
+# ran in the one-GPU suite already.
+[ "$multi" = 1 ] && select=(-k "not 1-default and not one-gpu")
+step "pytest" pytest.log "$python" -m pytest -v -rs -p no:cacheprovider "${select[@]}" "${tests[@]}"
 status=$?
 summary=$(grep -E '^=+ .*(passed|failed|error).* in [0-9.]+s' "$logs/pytest.log" | tail -1)
 number_of() { echo "$summary" | grep -oE "[0-9]+ $1" | grep -oE '^[0-9]+' | head -1; }
