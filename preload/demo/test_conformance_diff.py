@@ -264,25 +264,3 @@ def test_the_command_line_reads_files_and_exits_with_the_verdict(tmp_path):
     broken.write_text(monitor.read_text().replace("contents=right\nCASE resumed/cuPointer", "contents=WRONG\nCASE resumed/cuPointer"))
     assert cd.main([str(allowed), str(none), f"monitor={monitor}", f"monitor={broken}"]) == 1
 
-
-if __name__ == "__main__":
-    import pathlib
-    import tempfile
-    import traceback
-
-    failures = 0
-    tests = [(name, f) for name, f in sorted(globals().items()) if name.startswith("test_")]
-    for name, function in tests:
-        try:
-            if "tmp_path" in function.__code__.co_varnames[: function.__code__.co_argcount]:
-                with tempfile.TemporaryDirectory() as directory:
-                    function(pathlib.Path(directory))
-            else:
-                function()
-            print(f"PASS {name}")
-        except Exception:
-            failures += 1
-            print(f"FAIL {name}")
-            traceback.print_exc()
-    print(f"{len(tests) - failures} passed, {failures} failed")
-    sys.exit(1 if failures else 0)

@@ -177,25 +177,3 @@ def test_compare_fails_on_a_wrong_phase(tmp_path):
     assert status == 1
     assert "vmm-elide rank 0 before-pause: 5 elements wrong" in text
 
-
-if __name__ == "__main__":
-    import pathlib
-    import tempfile
-    import traceback
-
-    failures = 0
-    tests = [(name, f) for name, f in sorted(globals().items()) if name.startswith("test_")]
-    for name, function in tests:
-        try:
-            if "tmp_path" in function.__code__.co_varnames[: function.__code__.co_argcount]:
-                with tempfile.TemporaryDirectory() as directory:
-                    function(pathlib.Path(directory))
-            else:
-                function()
-            print(f"PASS {name}")
-        except Exception:
-            failures += 1
-            print(f"FAIL {name}")
-            traceback.print_exc()
-    print(f"{len(tests) - failures} passed, {failures} failed")
-    sys.exit(1 if failures else 0)

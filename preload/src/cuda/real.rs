@@ -452,7 +452,11 @@ pub fn primary_context(ordinal: usize) -> Option<*mut c_void> {
         return None;
     }
     // SAFETY: drops the reference taken just above.
-    unsafe { release(device) };
+    if unsafe { release(device) } != cu::SUCCESS {
+        // The driver kept our reference: the context stays alive, but an answer we could not
+        // take back cleanly is not one to give; the caller keeps the driver's own answer.
+        return None;
+    }
     (!context.is_null()).then_some(context)
 }
 
