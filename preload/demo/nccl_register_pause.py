@@ -1,6 +1,6 @@
 """Does NCCL keep the old pages of the layer's memory across a tag's pause and resume, when one
-process drives two GPUs? (preload/README.md, Limits; the CHANGELOG's known problem, until now
-read from NCCL's source only.)
+process drives two GPUs, and does the layer now keep NCCL's registrations current?
+(preload/README.md, "NCCL registrations" and Limits; the CHANGELOG's known problem, issue 39.)
 
     LD_PRELOAD=libstablebuf_preload.so STABLEBUF_PRELOAD_MODE=vmm python nccl_register_pause.py --out DIR
     python nccl_register_pause.py --out DIR          (the baseline, without the layer)
@@ -13,25 +13,42 @@ of place, the protocol is Simple and every peer is reached by direct P2P; so thi
 NCCL_ALGO=Ring and NCCL_PROTO=Simple unless they are set, and NCCL_NVLS_ENABLE=0. NCCL's log
 (INFO, INIT and REG, in DIR/nccl-register-LABEL.log) says what NCCL did with each buffer.
 
+ncclCommRegister, ncclCommDeregister and ncclCommDestroy are called as a program linked with
+libnccl calls them: through the global scope (ctypes.CDLL(None)), where the preloaded layer's
+hooks come first. (ctypes.CDLL("libnccl.so.2").ncclCommRegister would be dlsym on libnccl's own
+handle, which no LD_PRELOAD library can interpose.)
+
   control     buffers from ncclMemAlloc (NCCL's own cuMem memory), registered, all-reduced: does
               NCCL register user buffers on this machine at all?
   A           the layer's buffers (torch tensors allocated under the tag "nccl"), registered once,
               all-reduced (A0); the tag paused (contents kept) and resumed; new data written,
-              the receive buffers poisoned with NaN, all-reduced again (A1).
-  B           the workaround: deregistered before the pause and registered again after the
+              the receive buffers poisoned with NaN, all-reduced again (A1). Under vmm the layer
+              deregisters the buffers before the pause and registers them again after the
+              resume, behind the caller's handles: A1 must be right.
+  B           the manual sequence: deregistered before the pause and registered again after the
               resume (B0 before, B1 after), on the same buffers.
+  C           graphs: the all-reduce captured in one CUDA graph per GPU (one NCCL group over two
+              capturing streams, as nccl-tests -G does), replayed (C0); the tag paused and
+              resumed; new data, replayed again (C1). Not registered with ncclCommRegister;
+              NCCL's own graph registration is what NCCL_GRAPH_REGISTER says (the layer sets it
+              to 0 under vmm unless it is set). C1 must be right.
 
-Each all-reduce is checked element for element against the sum (integers in float32: exact).
+Each all-reduce is checked element for element against the sum (integers in float32: exact), and
+under the layer each pause must release all of the tag's memory (driver free memory).
 The verdict, one line:
+  REGISTRATION-CLAIM: handled by the layer (...)                    NCCL registered the layer's
+      buffers, the layer renewed the registrations around the pause, and A1 was right
   REGISTRATION-CLAIM: confirmed (stale pages after resume)          NCCL registered the layer's
       buffer and A1 was wrong: NCCL kept using the pages it registered
   REGISTRATION-CLAIM: refuted (...)                                 NCCL did not register the
-      layer's memory, or did and A1 was right anyway
+      layer's memory, or did and A1 was right without the layer renewing anything
   REGISTRATION-CLAIM: untested (...)                                NCCL registered nothing here,
       not even its own memory (no direct P2P between the GPUs, an NCCL without the path, ...)
-Without the layer the pauses are skipped and no verdict is drawn (the baseline must be right).
-Exit status 0 when every all-reduce was right, 1 when one was wrong (a confirmed claim included),
-2 when the test could not run (fewer than two GPUs, no libnccl).
+and a GRAPH-CASE line for C. Without the layer the pauses are skipped and no verdict is drawn
+(the baseline must be right).
+Exit status 0 when every all-reduce was right and every pause released the tag's memory, 1
+otherwise (a confirmed claim included), 2 when the test could not run (fewer than two GPUs, no
+libnccl).
 """
 
 import argparse
@@ -61,7 +78,15 @@ STATS_FIELDS = [
     "pool_mapped", "pool_cached", "pool_peak_mapped", "pool_mappings", "pool_creates",
     "pool_reuses", "pool_stitched", "pool_drains", "copies_deferred", "copies_elided",
     "copies_performed", "copies_cancelled", "bytes_elided", "tags", "tags_paused", "tagged_bytes",
+    "host_bytes", "host_arena_bytes", "pauses", "resumes", "last_pause_ns", "last_resume_ns",
+    # abi_version 2: the layer's NCCL registrations of tagged memory.
+    "nccl_registrations", "nccl_suspended", "nccl_reregistrations", "nccl_failures",
 ]
+MIB = 1 << 20
+# A pause must release at least the tag's bytes less this (the driver's free memory moves a
+# little on its own).
+RELEASE_SLACK = 4 * MIB
+CAPTURE_RELAXED = 2  # cudaStreamCaptureModeRelaxed
 
 
 # ---- what NCCL's log says (pure functions, tested without a GPU) -----------------------------
@@ -92,8 +117,10 @@ def machine_facts(text):
 
 
 def verdict(layer_vmm, control, a0, a1_right, a1_wrong_elements, facts, a0_right=True,
-            a0_wrong_elements=0):
-    """The REGISTRATION-CLAIM line, or None without the layer (the baseline)."""
+            a0_wrong_elements=0, renewed=None, released=None):
+    """The REGISTRATION-CLAIM line, or None without the layer (the baseline). `renewed`: the
+    layer's count of registrations made again after resumes (None: a layer without the count);
+    `released`: (bytes the first pause released, the tag's bytes), or None."""
     if not layer_vmm:
         return None
     where = (f"transports {', '.join(facts['transports']) or '?'}, "
@@ -108,9 +135,19 @@ def verdict(layer_vmm, control, a0, a1_right, a1_wrong_elements, facts, a0_right
                     f"{a0_wrong_elements} elements; after the pause and resume: "
                     f"{'right' if a1_right else f'wrong in {a1_wrong_elements} elements'})")
         if not a1_right:
+            renewal = (f"; the layer had registered them again {renewed} times, yet the result "
+                       "was wrong" if renewed else "")
             return ("REGISTRATION-CLAIM: confirmed (stale pages after resume: NCCL registered the "
                     f"layer's buffers with its peer and kept their old pages; the all-reduce after "
-                    f"the pause and resume was wrong in {a1_wrong_elements} elements)")
+                    f"the pause and resume was wrong in {a1_wrong_elements} elements{renewal})")
+        if renewed:
+            freed = ("" if released is None else
+                     f"; the pause released {released[0] / MIB:.0f} of the tag's "
+                     f"{released[1] / MIB:.0f} MiB")
+            return ("REGISTRATION-CLAIM: handled by the layer (NCCL registered the layer's "
+                    "buffers; the layer deregistered them before the pause and registered them "
+                    f"again after the resume, {renewed} registrations renewed; the all-reduce "
+                    f"after the resume was right{freed})")
         return ("REGISTRATION-CLAIM: refuted (NCCL registered the layer's buffers, yet the "
                 "all-reduce after the pause and resume was right)")
     tail = "" if a1_right else (f"; but the all-reduce after the pause and resume was WRONG in "
@@ -121,6 +158,23 @@ def verdict(layer_vmm, control, a0, a1_right, a1_wrong_elements, facts, a0_right
                 f"but did not register the layer's: {why}; it copied through its own buffers{tail})")
     return ("REGISTRATION-CLAIM: untested (NCCL registered neither its own memory nor the layer's "
             f"here: {where}; {why}{tail})")
+
+
+def release_problems(pauses):
+    """Pauses (of the layer) that released less than the tag's bytes: NCCL, or something else,
+    still holds the old pages."""
+    return [p for p in pauses if "released" in p and p["released"] < p["tagged"] - RELEASE_SLACK]
+
+
+def graph_case_line(graph_register, found, c0_right, c1_right):
+    """The GRAPH-CASE line: what NCCL did with the captured all-reduce's buffers, and whether
+    the replays were right (None: the case did not run)."""
+    def state(right):
+        return "not run" if right is None else ("right" if right else "WRONG")
+    return (f"GRAPH-CASE: NCCL_GRAPH_REGISTER={graph_register}; NCCL registered "
+            f"{len(found['registered'])} buffers while capturing (proxy: "
+            f"{found['proxy_registered']}); replay before the pause {state(c0_right)}, after the "
+            f"pause and resume {state(c1_right)}")
 
 
 # ---- libraries -----------------------------------------------------------------------------
@@ -178,6 +232,60 @@ def load_nccl():
         lib.ncclGetErrorString.restype = ctypes.c_char_p
         return lib, candidate
     return None, tried
+
+
+def through_global_scope(lib):
+    """ncclCommRegister, ncclCommDeregister and ncclCommDestroy as a program linked with libnccl
+    reaches them: the first definition in the global scope (the preloaded layer's hooks, which
+    call libnccl's). Returns the names taken from there."""
+    everything = ctypes.CDLL(None)
+    P = ctypes.POINTER
+    prototypes = {
+        "ncclCommRegister": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, P(ctypes.c_void_p)],
+        "ncclCommDeregister": [ctypes.c_void_p, ctypes.c_void_p],
+        "ncclCommDestroy": [ctypes.c_void_p],
+    }
+    taken = []
+    for name, argtypes in prototypes.items():
+        try:
+            function = getattr(everything, name)
+        except AttributeError:
+            continue
+        function.argtypes = argtypes
+        function.restype = ctypes.c_int
+        setattr(lib, name, function)
+        taken.append(name)
+    return taken
+
+
+def cuda_runtime():
+    """The CUDA runtime PyTorch loaded (for the graph case), with the graph functions' types."""
+    paths = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split()[-1] if len(line.split()) >= 6 else ""
+                if os.path.basename(path).startswith("libcudart.so") and path not in paths:
+                    paths.append(path)
+    except OSError:
+        pass
+    P = ctypes.POINTER
+    for candidate in paths + [None]:
+        try:
+            rt = ctypes.CDLL(candidate)
+            rt.cudaStreamBeginCapture.argtypes = [ctypes.c_void_p, ctypes.c_int]
+            rt.cudaStreamEndCapture.argtypes = [ctypes.c_void_p, P(ctypes.c_void_p)]
+            rt.cudaGraphInstantiateWithFlags.argtypes = [P(ctypes.c_void_p), ctypes.c_void_p,
+                                                         ctypes.c_ulonglong]
+            rt.cudaGraphLaunch.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+            rt.cudaGraphExecDestroy.argtypes = [ctypes.c_void_p]
+            rt.cudaGraphDestroy.argtypes = [ctypes.c_void_p]
+            rt.cudaGetErrorString.argtypes = [ctypes.c_int]
+            rt.cudaGetErrorString.restype = ctypes.c_char_p
+        except (OSError, AttributeError):
+            continue
+        return rt, candidate or "the global scope"
+    return None, None
 
 
 def layer():
@@ -256,10 +364,18 @@ def main():
         layer_text = "vmm"
     else:
         layer_text = f"loaded, mode {stats['mode'] if stats else '?'} (not vmm)"
+    # The layer's hooks come first in the global scope; without the layer the global scope
+    # holds libnccl's own functions only if PyTorch loaded it globally (else the handle's stay).
+    interposed = through_global_scope(nccl) if lib is not None else []
+    renewing = layer_vmm and bool(stats) and stats.get("abi_version", 1) >= 2
+    graph_register = os.environ.get("NCCL_GRAPH_REGISTER", "(unset: NCCL's default, 1)")
     print(f"libnccl {version.value} from {where}; layer: {layer_text}; "
           f"NCCL_ALGO={os.environ['NCCL_ALGO']} NCCL_PROTO={os.environ['NCCL_PROTO']} "
           f"NCCL_CUMEM_ENABLE={os.environ.get('NCCL_CUMEM_ENABLE', '(default)')} "
-          f"NCCL_LOCAL_REGISTER={os.environ.get('NCCL_LOCAL_REGISTER', '(default)')}", flush=True)
+          f"NCCL_LOCAL_REGISTER={os.environ.get('NCCL_LOCAL_REGISTER', '(default)')} "
+          f"NCCL_GRAPH_REGISTER={graph_register} "
+          f"STABLEBUF_PRELOAD_NCCL_REGISTER={os.environ.get('STABLEBUF_PRELOAD_NCCL_REGISTER', '(default)')}; "
+          f"through the global scope: {', '.join(interposed) or 'nothing'}", flush=True)
 
     def check(code, what):
         if code != 0:
@@ -303,11 +419,14 @@ def main():
 
     results = {}
 
-    def run_phase(name, sends, recvs, phase):
+    def run_phase(name, sends, recvs, phase, op=None):
         for d in devices:
             sends[d].copy_(data(d, phase))
             recvs[d].fill_(float("nan"))
-        all_reduce(sends, recvs)
+        if op is None:
+            all_reduce(sends, recvs)
+        else:
+            op()
         want = expected(phase)
         wrong = sum(int((recvs[d].cpu() != want).sum()) for d in devices)
         found = registration(log_since())
@@ -357,12 +476,90 @@ def main():
         released = free_bytes() - before
         r = lib.stablebuf_resume(TAG)
         tagged = (layer_stats(lib) or {}).get("tagged_bytes", 0)
-        pauses.append({"name": name, "pause": p, "resume": r, "released": released, "tagged": tagged})
+        now = layer_stats(lib) or {}
+        entry = {"name": name, "pause": p, "resume": r, "released": released, "tagged": tagged,
+                 "nccl_reregistrations": now.get("nccl_reregistrations"),
+                 "nccl_failures": now.get("nccl_failures"),
+                 "nccl_registrations": now.get("nccl_registrations")}
+        pauses.append(entry)
         print(f"PAUSE {name}: pause {p}, resume {r}; the pause released {released / 2**20:.0f} MiB of "
-              f"the tag's {tagged / 2**20:.0f} MiB", flush=True)
+              f"the tag's {tagged / 2**20:.0f} MiB"
+              + (f"; layer: {entry['nccl_registrations']} NCCL registrations kept, "
+                 f"{entry['nccl_reregistrations']} made again so far, {entry['nccl_failures']} failures"
+                 if renewing else ""), flush=True)
         if p != 0 or r != 0:
             raise RuntimeError(f"stablebuf_pause {p} ({lib.stablebuf_error_string(p).decode()}), "
                                f"stablebuf_resume {r}")
+
+    rt, rt_where = cuda_runtime()
+    graph = {"found": registration(""), "c0": None, "c1": None, "skipped": None}
+
+    def check_rt(code, what):
+        if code != 0:
+            raise RuntimeError(f"{what} returned {code}: {rt.cudaGetErrorString(code).decode()}")
+
+    def graph_case(sends, recvs):
+        """C: one graph per GPU holding its part of the all-reduce, replayed before and after a
+        pause and resume."""
+        if rt is None:
+            graph["skipped"] = "no CUDA runtime with the graph functions found"
+            print(f"SKIPPED graph case: {graph['skipped']}", flush=True)
+            return
+        for d in devices:
+            torch.cuda.synchronize(d)
+        log_since()
+        graphs, execs, began = [], [], []
+        try:
+            for d in devices:
+                with torch.cuda.device(d):
+                    check_rt(rt.cudaStreamBeginCapture(streams[d].cuda_stream, CAPTURE_RELAXED),
+                             "cudaStreamBeginCapture")
+                began.append(d)
+            check(nccl.ncclGroupStart(), "ncclGroupStart")
+            for d in devices:
+                check(nccl.ncclAllReduce(sends[d].data_ptr(), recvs[d].data_ptr(), WORDS,
+                                         NCCL_FLOAT32, NCCL_SUM, comms[d], streams[d].cuda_stream),
+                      "ncclAllReduce (capturing)")
+            check(nccl.ncclGroupEnd(), "ncclGroupEnd (capturing)")
+        finally:
+            ended = []
+            for d in began:
+                with torch.cuda.device(d):
+                    g = ctypes.c_void_p()
+                    ended.append((d, rt.cudaStreamEndCapture(streams[d].cuda_stream, ctypes.byref(g))))
+                    graphs.append((d, g))
+        for d, code in ended:
+            check_rt(code, f"cudaStreamEndCapture on GPU {d}")
+        graph["found"] = registration(log_since())
+        try:
+            for d, g in graphs:
+                with torch.cuda.device(d):
+                    e = ctypes.c_void_p()
+                    check_rt(rt.cudaGraphInstantiateWithFlags(ctypes.byref(e), g, 0),
+                             "cudaGraphInstantiateWithFlags")
+                    execs.append((d, e))
+
+            def replay():
+                for d in devices:
+                    torch.cuda.synchronize(d)
+                for d, e in execs:
+                    with torch.cuda.device(d):
+                        check_rt(rt.cudaGraphLaunch(e, streams[d].cuda_stream), "cudaGraphLaunch")
+                for stream in streams:
+                    stream.synchronize()
+
+            run_phase("C0 captured in a graph, replayed before the pause", sends, recvs, 4, replay)
+            graph["c0"] = results["C0 captured in a graph, replayed before the pause"]["right"]
+            pause_resume("C (graph)")
+            run_phase("C1 graph replayed after the pause and resume", sends, recvs, 5, replay)
+            graph["c1"] = results["C1 graph replayed after the pause and resume"]["right"]
+        finally:
+            for d, e in execs:
+                with torch.cuda.device(d):
+                    rt.cudaGraphExecDestroy(e)
+            for d, g in graphs:
+                with torch.cuda.device(d):
+                    rt.cudaGraphDestroy(g)
 
     facts = {"transports": [], "all_direct_p2p": "?"}
     try:
@@ -421,6 +618,14 @@ def main():
         handles = register({d: (sends[d], recvs[d]) for d in devices})
         run_phase("B1 registered after the resume", sends, recvs, 3)
         deregister(handles)
+
+        # C: captured in a graph per GPU, replayed across a pause and resume. Its own failure
+        # (a capture NCCL or the runtime refuses) fails the run but not the verdict on A.
+        try:
+            graph_case(sends, recvs)
+        except Exception as error:
+            print(f"FAILED: graph case: {type(error).__name__}: {error}", flush=True)
+            results["C error"] = {"right": False, "wrong_elements": -1, "message": str(error)}
     except Exception as error:  # report what ran, then fail
         print(f"FAILED: {type(error).__name__}: {error}", flush=True)
         results["error"] = {"right": False, "wrong_elements": -1, "message": str(error)}
@@ -443,8 +648,12 @@ def main():
     missing = {"right": False, "wrong_elements": -1}
     a0_result = results.get("A0 registered, before the pause", missing)
     a1 = results.get("A1 registered, after the pause and resume", missing)
+    pause_a = next((p for p in pauses if p["name"] == "A (registered)" and "released" in p), None)
+    renewed = pause_a.get("nccl_reregistrations") if (pause_a and renewing) else None
+    released = (pause_a["released"], pause_a["tagged"]) if pause_a else None
     line = verdict(layer_vmm, control_found, a0, a1["right"], a1["wrong_elements"], facts,
-                   a0_result["right"], a0_result["wrong_elements"])
+                   a0_result["right"], a0_result["wrong_elements"], renewed=renewed,
+                   released=released)
     if line is not None and "error" in results:
         ran = ", ".join(name for name in results if name != "error") or "nothing"
         line = (f"REGISTRATION-CLAIM: untested (the test stopped: {results['error']['message']}; "
@@ -452,6 +661,17 @@ def main():
     print(f"NCCL transports: {', '.join(facts['transports']) or '?'}; isAllDirectP2p "
           f"{facts['all_direct_p2p']}")
     all_right = all(r["right"] for r in results.values())
+    short = release_problems(pauses)
+    for p in short:
+        print(f"CHECK pause {p['name']}: FAILED: released only {p['released'] / MIB:.0f} of the "
+              f"tag's {p['tagged'] / MIB:.0f} MiB (something still holds the old pages)")
+    print(graph_case_line(graph_register, graph["found"], graph["c0"], graph["c1"])
+          + (f" ({graph['skipped']})" if graph["skipped"] else f"; runtime: {rt_where}"))
+    if renewing:
+        end = layer_stats(lib) or {}
+        print(f"LAYER-NCCL: {end.get('nccl_registrations')} registrations kept at the end, "
+              f"{end.get('nccl_suspended')} suspended, {end.get('nccl_reregistrations')} made again "
+              f"after resumes, {end.get('nccl_failures')} failures")
     if line is None:
         print(f"BASELINE (no layer in vmm mode): every all-reduce {'right' if all_right else 'NOT right'}; "
               f"no verdict is drawn without the layer")
@@ -459,10 +679,16 @@ def main():
         print(line)
     with open(os.path.join(args.out, f"nccl-register-{label}.json"), "w") as f:
         json.dump({"label": label, "nccl_version": version.value, "library": where,
-                   "results": results, "pauses": pauses, "facts": facts, "verdict": line}, f, indent=1)
+                   "results": results, "pauses": pauses, "facts": facts, "verdict": line,
+                   "graph": {"nccl_graph_register": graph_register, "c0": graph["c0"],
+                             "c1": graph["c1"], "skipped": graph["skipped"],
+                             "registered": graph["found"]["registered"]},
+                   "interposed": interposed}, f, indent=1)
     print(f"RESULT nccl-register {label}: {sum(r['right'] for r in results.values())} of "
-          f"{len(results)} all-reduces right" + (f"; {line.split(' (')[0]}" if line else ""))
-    return 0 if all_right else 1
+          f"{len(results)} all-reduces right"
+          + (f", {len(short)} pauses released too little" if short else "")
+          + (f"; {line.split(' (')[0]}" if line else ""))
+    return 0 if all_right and not short else 1
 
 
 if __name__ == "__main__":

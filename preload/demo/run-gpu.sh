@@ -27,8 +27,10 @@
 #                 (all-reduces captured in a CUDA graph over tagged tensors, across pauses and
 #                 resumes) without the layer, vmm, vmm + copy elision, outputs compared; and
 #                 nccl_register_pause.py (one process, two GPUs, ncclCommRegister of the layer's
-#                 memory across a pause and resume) without the layer and under vmm, whose
-#                 REGISTRATION-CLAIM line is the verdict on the README's NCCL limit
+#                 memory across a pause and resume, and an all-reduce captured in a graph per
+#                 GPU) without the layer and under vmm, whose REGISTRATION-CLAIM line is the
+#                 verdict (under vmm: "handled by the layer", the layer renewing the
+#                 registrations; README "NCCL registrations")
 # Ends with "preload GPU demos: N passed, M failed"; exit status 1 if any step failed.
 # ONLY="seed catch conformance elision torch tms dist" (any of them) runs only those groups
 # (scripts/perf-check runs ONLY=seed for the resize ratio).
@@ -90,7 +92,7 @@ step() {
     if [ $rc -eq 0 ]; then
         PASSED=$((PASSED + 1))
         echo "    ok (${seconds} s)"
-        grep -E "^(RESULT|TARGET|FAILED|CHECK .*FAILED|REGISTRATION-CLAIM|stablebuf-preload (vmm|monitor):)" "$log" | cut -c1-400 | sed 's/^/    /'
+        grep -E "^(RESULT|TARGET|FAILED|CHECK .*FAILED|REGISTRATION-CLAIM|GRAPH-CASE|LAYER-NCCL|stablebuf-preload (vmm|monitor):)" "$log" | cut -c1-400 | sed 's/^/    /'
     else
         FAILED=$((FAILED + 1))
         FAILED_STEPS="$FAILED_STEPS $name"
@@ -101,7 +103,7 @@ step() {
         fi
         echo "    last lines of $log:"
         tail -n 40 "$log" | cut -c1-400 | sed 's/^/    | /'
-        grep -hE "^REGISTRATION-CLAIM" "$log" | cut -c1-400 | sed 's/^/    /'
+        grep -hE "^(REGISTRATION-CLAIM|GRAPH-CASE|LAYER-NCCL)" "$log" | cut -c1-400 | sed 's/^/    /'
     fi
     return $rc
 }
@@ -311,7 +313,7 @@ for report in seed-report tms-compare; do
     fi
 done
 for log in catch-none catch-monitor catch-vmm catch-vmm-elision conformance elision-legacy elision-per-thread elision-random $(for s in ${ELIDE_SEEDS:-}; do echo elision-random-$s; done) torch-graph-pause torch-train-compare dist-graph nccl-register-none nccl-register-vmm; do
-    [ -f "$OUTDIR/$log.log" ] && grep -hE "^(RESULT|REGISTRATION-CLAIM)" "$OUTDIR/$log.log" | cut -c1-300 | sed "s/^/$log: /"
+    [ -f "$OUTDIR/$log.log" ] && grep -hE "^(RESULT|REGISTRATION-CLAIM|GRAPH-CASE)" "$OUTDIR/$log.log" | cut -c1-300 | sed "s/^/$log: /"
 done
 echo "timelines: $(ls "$OUTDIR"/*.svg 2>/dev/null | tr '\n' ' ')"
 echo "logs in $OUTDIR; total $(($(date +%s) - STARTED)) s"

@@ -98,6 +98,39 @@ def test_verdict_untested_when_nothing_registers_here():
     assert "isAllDirectP2p 0" in line
 
 
+def test_verdict_handled_when_the_layer_renewed_and_the_result_is_right():
+    line = nrp.verdict(True, nrp.registration(LOG_REGISTERED), nrp.registration(LOG_REGISTERED),
+                       True, 0, FACTS, renewed=4, released=(128 << 20, 128 << 20))
+    assert line.startswith("REGISTRATION-CLAIM: handled by the layer"), line
+    assert "4 registrations renewed" in line and "released 128 of the tag's 128 MiB" in line
+    # Renewed but still wrong: confirmed, and it says the layer tried.
+    wrong = nrp.verdict(True, nrp.registration(LOG_REGISTERED), nrp.registration(LOG_REGISTERED),
+                        False, 99, FACTS, renewed=4)
+    assert wrong.startswith("REGISTRATION-CLAIM: confirmed (stale pages after resume")
+    assert "registered them again 4 times" in wrong
+    # A layer without the count (abi_version 1): as before.
+    old = nrp.verdict(True, nrp.registration(LOG_REGISTERED), nrp.registration(LOG_REGISTERED),
+                      True, 0, FACTS, renewed=None)
+    assert old.startswith("REGISTRATION-CLAIM: refuted")
+
+
+def test_pauses_that_release_too_little_are_found():
+    pauses = [{"name": "A", "released": 64 << 20, "tagged": 128 << 20},
+              {"name": "B", "released": (128 << 20) - (1 << 20), "tagged": 128 << 20},
+              {"name": "C", "skipped": "no layer in vmm mode"}]
+    assert [p["name"] for p in nrp.release_problems(pauses)] == ["A"]
+
+
+def test_graph_case_line():
+    line = nrp.graph_case_line("0", nrp.registration(""), True, True)
+    assert line == ("GRAPH-CASE: NCCL_GRAPH_REGISTER=0; NCCL registered 0 buffers while capturing "
+                    "(proxy: 0); replay before the pause right, after the pause and resume right")
+    graph_log = "rank 0 - IPC graph register buffer 0x10 size 4 (baseAddr 0x10 size 4) to peer 1"
+    line = nrp.graph_case_line("1", nrp.registration(graph_log), True, False)
+    assert "registered 1 buffers" in line and "after the pause and resume WRONG" in line
+    assert "not run" in nrp.graph_case_line("0", nrp.registration(""), None, None)
+
+
 def test_no_verdict_without_the_layer():
     assert nrp.verdict(False, nrp.registration(LOG_REGISTERED), nrp.registration(LOG_FAILED),
                        True, 0, FACTS) is None

@@ -119,7 +119,7 @@ int stablebuf_reserve_host(size_t bytes);
  */
 struct stablebuf_stats {
     uint64_t size;              /* in: sizeof(struct stablebuf_stats); out: bytes written */
-    uint64_t abi_version;       /* 1 */
+    uint64_t abi_version;       /* 2 (1: without the nccl_* fields) */
     uint64_t mode;              /* 0 off (or a child after fork), 1 monitor, 2 vmm */
     uint64_t live_allocations;  /* allocations the layer serves now (vmm) or saw live (monitor) */
     uint64_t live_bytes;        /* their bytes, as asked */
@@ -152,6 +152,11 @@ struct stablebuf_stats {
     uint64_t resumes;           /* successful stablebuf_resume calls */
     uint64_t last_pause_ns;     /* duration of the last pause (device work included) */
     uint64_t last_resume_ns;    /* duration of the last resume */
+    /* abi_version 2: NCCL registrations of tagged memory (ncclCommRegister through the layer) */
+    uint64_t nccl_registrations;   /* registrations the layer keeps current across pauses */
+    uint64_t nccl_suspended;       /* of those, not registered with NCCL now (tag paused, or re-registering failed) */
+    uint64_t nccl_reregistrations; /* registrations made again after a resume */
+    uint64_t nccl_failures;        /* deregistrations before a pause or registrations after a resume that failed */
 };
 
 /* Returns STABLEBUF_OK, or STABLEBUF_ERR_INVALID_ARGUMENT (NULL, or size < 8). */
@@ -178,6 +183,17 @@ int stablebuf_stats(struct stablebuf_stats *out);
  *                                           cudaErrorUnknown (999)
  *   a panic inside the layer (a bug)        cudaErrorUnknown (999) / CUDA_ERROR_UNKNOWN (999)
  * Everything else is the real function's own result.
+ *
+ * The NCCL hooks (ncclCommRegister, ncclCommDeregister, ncclCommDestroy, ncclCommAbort; vmm mode,
+ * README "NCCL registrations") answer in ncclResult_t:
+ *   ncclCommRegister of tagged memory       ncclSuccess (0) and a proxy handle (an odd number);
+ *                                           NCCL's own result if it refused the registration
+ *   ncclCommRegister with a NULL handle     ncclInvalidArgument (4)
+ *   ncclCommDeregister of a proxy           ncclSuccess (0), or NCCL's result for the real handle;
+ *                                           ncclInvalidArgument (4) for a proxy no longer known,
+ *                                           ncclInvalidUsage (5) with another communicator
+ *   no libnccl found in the process         ncclSystemError (2)
+ *   a panic inside the layer (a bug)        ncclInternalError (3)
  */
 
 #ifdef __cplusplus

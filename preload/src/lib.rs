@@ -28,10 +28,11 @@
 //! - [`engine`]: vmm's logic over a [`engine::device::Device`], pure and tested on the CPU
 //!   with a fake device: the ownership [`engine::table`], [`engine::tags`], copy elision
 //!   ([`engine::elide`]), pointer queries ([`engine::query`]), [`engine::stats`], monitor
-//!   mode's records and timeline ([`engine::monitor`]); and the real device on stablebuf's pool
-//!   and regions ([`engine::gpu`]).
-//! - [`cuda`]: the real CUDA functions (`real`, found at run time), the error codes of each
-//!   ABI ([`cuda::codes`]), the exported symbols ([`cuda::symbols`]), driver entry-point
+//!   mode's records and timeline ([`engine::monitor`]), NCCL registrations of tagged memory
+//!   renewed around pauses ([`engine::nccl`]); and the real device on stablebuf's pool and
+//!   regions ([`engine::gpu`]).
+//! - [`cuda`]: the real CUDA (and NCCL) functions (`real`, found at run time), the error codes
+//!   of each ABI ([`cuda::codes`]), the exported symbols ([`cuda::symbols`]), driver entry-point
 //!   versions ([`cuda::entry`]), the libraries that launch unseen ([`cuda::unseen`]) and the
 //!   notices a user must see ([`cuda::notice`]).
 //!

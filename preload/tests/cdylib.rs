@@ -170,7 +170,7 @@ fn the_c_abi_answers_without_a_gpu() {
     }
     let stats = stats();
     assert_eq!(stats.size, std::mem::size_of::<StablebufStats>() as u64);
-    assert_eq!(stats.abi_version, 1);
+    assert_eq!(stats.abi_version, 2);
     assert_eq!(stats.mode, 2, "vmm is the default mode");
     assert!(stats.tags >= 1);
 }
@@ -183,7 +183,7 @@ fn an_older_shorter_stats_struct_gets_only_its_fields() {
                     // SAFETY: the buffer holds 32 bytes and declares 16.
     assert_eq!(unsafe { get(buffer.as_mut_ptr().cast()) }, abi::OK);
     assert_eq!(buffer[0], 16);
-    assert_eq!(buffer[1], 1, "abi_version");
+    assert_eq!(buffer[1], 2, "abi_version");
     assert_eq!(
         buffer[2],
         u64::MAX,
@@ -285,4 +285,160 @@ fn preloading_into_a_program_without_cuda_is_harmless() {
         !stderr.contains("stablebuf-preload monitor:"),
         "no summary when nothing happened"
     );
+}
+
+#[test]
+fn nccl_hooks_without_libnccl_answer_system_error() {
+    type Register =
+        unsafe extern "C" fn(*mut c_void, *mut c_void, usize, *mut *mut c_void) -> c_int;
+    type Deregister = unsafe extern "C" fn(*mut c_void, *mut c_void) -> c_int;
+    let register: Register = function(c"ncclCommRegister");
+    let deregister: Deregister = function(c"ncclCommDeregister");
+    let mut handle: *mut c_void = std::ptr::null_mut();
+    // SAFETY: the NCCL prototypes; no libnccl is loaded, so nothing is dereferenced but the
+    // out-pointer to a live local.
+    unsafe {
+        assert_eq!(
+            register(0xc000 as _, 0x1000 as _, 64, &mut handle),
+            2,
+            "ncclSystemError"
+        );
+        assert_eq!(deregister(0xc000 as _, 0x15 as _), 2);
+    }
+    assert!(handle.is_null());
+}
+
+/// A fake libnccl (soname libnccl.so.2) that prints each call, and a program linked with it,
+/// built with `cc`; `None` (the test says so and passes) where no C compiler is found.
+fn fake_nccl_program() -> Option<PathBuf> {
+    let dir = std::env::temp_dir().join(format!("stablebuf-fake-nccl-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let lib_c = dir.join("fake_nccl.c");
+    std::fs::write(
+        &lib_c,
+        r#"#include <stdio.h>
+#include <stdint.h>
+int ncclCommRegister(void *comm, void *buff, size_t size, void **handle) {
+    printf("real register %p %p %zu\n", comm, buff, size);
+    *handle = (void *)0x5500; return 0;
+}
+int ncclCommDeregister(void *comm, void *handle) { printf("real deregister %p %p\n", comm, handle); return 0; }
+int ncclCommDestroy(void *comm) { printf("real destroy %p\n", comm); return 0; }
+int ncclCommAbort(void *comm) { printf("real abort %p\n", comm); return 0; }
+"#,
+    )
+    .unwrap();
+    let main_c = dir.join("main.c");
+    std::fs::write(
+        &main_c,
+        r#"#include <stdio.h>
+#include <stdlib.h>
+int ncclCommRegister(void *, void *, size_t, void **);
+int ncclCommDeregister(void *, void *);
+int ncclCommDestroy(void *);
+int ncclCommAbort(void *);
+int main(void) {
+    void *comm = (void *)0xc000, *handle = NULL;
+    int rc = ncclCommRegister(comm, (void *)0x1000, 64, &handle);
+    printf("register rc %d handle %p\n", rc, handle);
+    printf("deregister rc %d\n", ncclCommDeregister(comm, handle));
+    printf("stale proxy rc %d\n", ncclCommDeregister(comm, (void *)0x15));
+    printf("destroy rc %d\n", ncclCommDestroy(comm));
+    printf("abort rc %d\n", ncclCommAbort((void *)0xc100));
+    const char *graph = getenv("NCCL_GRAPH_REGISTER");
+    printf("NCCL_GRAPH_REGISTER %s\n", graph ? graph : "(unset)");
+    return 0;
+}
+"#,
+    )
+    .unwrap();
+    let lib = dir.join("libnccl.so.2");
+    let program = dir.join("main");
+    let built = Command::new("cc")
+        .args(["-shared", "-fPIC", "-Wl,-soname,libnccl.so.2", "-o"])
+        .arg(&lib)
+        .arg(&lib_c)
+        .status();
+    match built {
+        Ok(status) => assert!(status.success(), "cc of the fake libnccl failed"),
+        Err(error) => {
+            eprintln!("no C compiler ({error}): the fake-libnccl test is skipped");
+            return None;
+        }
+    }
+    let status = Command::new("cc")
+        .arg("-o")
+        .arg(&program)
+        .arg(&main_c)
+        .arg(&lib)
+        .arg(format!("-Wl,-rpath,{}", dir.display()))
+        .status()
+        .expect("cc");
+    assert!(status.success(), "cc of the program failed");
+    Some(program)
+}
+
+#[test]
+fn nccl_calls_of_a_program_reach_the_hooks_and_pass_through_outside_tagged_memory() {
+    let Some(program) = fake_nccl_program() else {
+        return;
+    };
+    let run = |mode: &str, graph: Option<&str>| {
+        let mut command = Command::new(&program);
+        command
+            .env("LD_PRELOAD", library())
+            .env("STABLEBUF_PRELOAD_MODE", mode)
+            .env_remove("NCCL_GRAPH_REGISTER");
+        if let Some(value) = graph {
+            command.env("NCCL_GRAPH_REGISTER", value);
+        }
+        let output = command.output().expect("running the program");
+        assert!(output.status.success(), "{output:?}");
+        (
+            String::from_utf8_lossy(&output.stdout).into_owned(),
+            String::from_utf8_lossy(&output.stderr).into_owned(),
+        )
+    };
+    let (stdout, stderr) = run("vmm", None);
+    // Memory that is not the layer's: NCCL's own handle, and every call reaches the real one.
+    for line in [
+        "real register 0xc000 0x1000 64",
+        "register rc 0 handle 0x5500",
+        "real deregister 0xc000 0x5500",
+        "deregister rc 0",
+        "stale proxy rc 4",
+        "real destroy 0xc000",
+        "destroy rc 0",
+        "real abort 0xc100",
+        "abort rc 0",
+        "NCCL_GRAPH_REGISTER 0",
+    ] {
+        assert!(
+            stdout.contains(line),
+            "{line:?} missing:\n{stdout}\n{stderr}"
+        );
+    }
+    assert!(
+        !stdout.contains("real deregister 0xc000 0x15"),
+        "a proxy handle never reaches NCCL:\n{stdout}"
+    );
+    assert!(
+        stderr.contains("set NCCL_GRAPH_REGISTER=0"),
+        "the notice says so: {stderr}"
+    );
+    let (stdout, stderr) = run("vmm", Some("1"));
+    assert!(
+        stdout.contains("NCCL_GRAPH_REGISTER 1"),
+        "the user's value: {stdout}"
+    );
+    assert!(!stderr.contains("NCCL_GRAPH_REGISTER=0"), "{stderr}");
+    let (stdout, _) = run("monitor", None);
+    assert!(
+        stdout.contains("NCCL_GRAPH_REGISTER (unset)"),
+        "only vmm sets it: {stdout}"
+    );
+    assert!(stdout.contains("register rc 0 handle 0x5500"));
+    if let Some(dir) = program.parent() {
+        let _ = std::fs::remove_dir_all(dir);
+    }
 }

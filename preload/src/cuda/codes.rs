@@ -33,6 +33,16 @@ pub mod cu {
     pub const UNKNOWN: i32 = 999;
 }
 
+/// `ncclResult_t` values the layer returns or looks at (`nccl.h`).
+pub mod nccl {
+    pub const SUCCESS: i32 = 0;
+    pub const UNHANDLED_CUDA_ERROR: i32 = 1;
+    pub const SYSTEM_ERROR: i32 = 2;
+    pub const INTERNAL_ERROR: i32 = 3;
+    pub const INVALID_ARGUMENT: i32 = 4;
+    pub const INVALID_USAGE: i32 = 5;
+}
+
 /// The layer's own C ABI codes (`STABLEBUF_*` in the header).
 pub mod abi {
     pub const OK: i32 = 0;

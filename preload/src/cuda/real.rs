@@ -20,7 +20,7 @@
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
 use std::sync::OnceLock;
 
-use crate::cuda::codes::{cu, cuda, Fail};
+use crate::cuda::codes::{cu, cuda, nccl, Fail};
 
 pub type Stream = *mut c_void;
 pub type Event = *mut c_void;
@@ -148,6 +148,20 @@ function_table! {
         cuDeviceGet: fn(*mut c_int, c_int) -> c_int;
         cuDevicePrimaryCtxRetain: fn(*mut *mut c_void, c_int) -> c_int;
         cuDevicePrimaryCtxRelease_v2: fn(c_int) -> c_int;
+        cuDeviceGetCount: fn(*mut c_int) -> c_int;
+        cuDevicePrimaryCtxGetState: fn(c_int, *mut c_uint, *mut c_int) -> c_int;
+        cuCtxPushCurrent_v2: fn(*mut c_void) -> c_int;
+        cuCtxPopCurrent_v2: fn(*mut *mut c_void) -> c_int;
+    }
+}
+
+function_table! {
+    /// `libnccl` functions: the hooked ones (registration, the end of a communicator).
+    Nccl {
+        ncclCommRegister: fn(*mut c_void, *mut c_void, usize, *mut *mut c_void) -> c_int;
+        ncclCommDeregister: fn(*mut c_void, *mut c_void) -> c_int;
+        ncclCommDestroy: fn(*mut c_void) -> c_int;
+        ncclCommAbort: fn(*mut c_void) -> c_int;
     }
 }
 
@@ -160,6 +174,10 @@ unsafe impl Sync for Runtime {}
 unsafe impl Send for Driver {}
 // SAFETY: as for `Runtime`.
 unsafe impl Sync for Driver {}
+// SAFETY: as for `Runtime` (libnccl's handle is never closed either).
+unsafe impl Send for Nccl {}
+// SAFETY: as for `Runtime`.
+unsafe impl Sync for Nccl {}
 
 // The flush points' real functions, from `flush_points.rs` (one name and prototype each).
 macro_rules! runtime_flush_points {
@@ -191,15 +209,17 @@ unsafe impl Sync for DriverFlushPoints {}
 
 static RUNTIME: OnceLock<(Runtime, RuntimeFlushPoints)> = OnceLock::new();
 static DRIVER: OnceLock<(Driver, DriverFlushPoints)> = OnceLock::new();
+static NCCL: OnceLock<Nccl> = OnceLock::new();
 
 const RUNTIME_NAMES: &[&CStr] = &[c"libcudart.so.13", c"libcudart.so.12", c"libcudart.so"];
 const DRIVER_NAMES: &[&CStr] = &[c"libcuda.so.1", c"libcuda.so"];
+const NCCL_NAMES: &[&CStr] = &[c"libnccl.so.2", c"libnccl.so"];
 
 fn runtime_tables() -> Option<&'static (Runtime, RuntimeFlushPoints)> {
     if let Some(tables) = RUNTIME.get() {
         return Some(tables);
     }
-    let tables = resolve(c"cudaGetDevice", RUNTIME_NAMES, "libcudart", false).map(|lookup| {
+    let tables = resolve(c"cudaGetDevice", RUNTIME_NAMES, "libcudart", Load::No).map(|lookup| {
         (
             Runtime::resolve(&lookup),
             RuntimeFlushPoints::resolve(&lookup),
@@ -214,7 +234,7 @@ fn driver_tables() -> Option<&'static (Driver, DriverFlushPoints)> {
         return Some(tables);
     }
     let tables =
-        resolve(c"cuDriverGetVersion", DRIVER_NAMES, "libcuda.so", true).map(|lookup| {
+        resolve(c"cuDriverGetVersion", DRIVER_NAMES, "libcuda.so", Load::Yes).map(|lookup| {
             (
                 Driver::resolve(&lookup),
                 DriverFlushPoints::resolve(&lookup),
@@ -244,6 +264,19 @@ pub fn driver_flush_points() -> Option<&'static DriverFlushPoints> {
     driver_tables().map(|(_, flush_points)| flush_points)
 }
 
+/// libnccl's hooked functions, or `None` if no libnccl is loaded in this process. Never loads
+/// one: a caller of these functions holds a communicator, so its libnccl is loaded already
+/// (through `RTLD_NEXT` when it is in the global scope, else by its soname or path).
+pub fn nccl_functions() -> Option<&'static Nccl> {
+    if let Some(table) = NCCL.get() {
+        return Some(table);
+    }
+    let table = resolve(c"ncclCommRegister", NCCL_NAMES, "libnccl", Load::NcclNever)
+        .map(|lookup| Nccl::resolve(&lookup))?;
+    let _ = NCCL.set(table);
+    NCCL.get()
+}
+
 /// A handle from `dlopen` (never closed), usable from any thread.
 struct Handle(*mut c_void);
 // SAFETY: a dlopen handle is a process-wide token; dlsym on it is thread-safe.
@@ -251,22 +284,48 @@ unsafe impl Send for Handle {}
 // SAFETY: as above.
 unsafe impl Sync for Handle {}
 
+/// Whether [`resolve`] may load the library, and which notice it prints when nothing is found.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Load {
+    /// The CUDA runtime: only a loaded one.
+    No,
+    /// The CUDA driver: opened if need be (the runtime would load it anyway).
+    Yes,
+    /// libnccl: only a loaded one.
+    NcclNever,
+}
+
 /// How to look names up: through `RTLD_NEXT` when the probe is found there, else through the
 /// handle of a loaded copy of the library.
 fn resolve(
     probe: &CStr,
     names: &[&CStr],
     path_contains: &str,
-    may_load: bool,
+    load: Load,
 ) -> Option<impl Fn(&CStr) -> *mut c_void> {
+    let may_load = load == Load::Yes;
     // SAFETY: dlsym with the RTLD_NEXT pseudo-handle and a NUL-terminated name.
     let next = unsafe { libc::dlsym(libc::RTLD_NEXT, probe.as_ptr()) };
+    // A handle counts only if the probe is found through it (a path that merely contains the
+    // fragment, e.g. an NCCL network plugin, is given back).
+    let open_with_probe = |name: &CStr, flags: c_int| {
+        open(name, flags).and_then(|handle| {
+            // SAFETY: a handle from dlopen and a NUL-terminated name.
+            if unsafe { libc::dlsym(handle.0, probe.as_ptr()) }.is_null() {
+                // SAFETY: gives back the reference `open` took; the handle is not used again.
+                unsafe { libc::dlclose(handle.0) };
+                None
+            } else {
+                Some(handle)
+            }
+        })
+    };
     let handle = if !next.is_null() {
         None
     } else {
         let found = names
             .iter()
-            .find_map(|name| open(name, libc::RTLD_NOLOAD | libc::RTLD_LAZY))
+            .find_map(|name| open_with_probe(name, libc::RTLD_NOLOAD | libc::RTLD_LAZY))
             .or_else(|| {
                 loaded_objects()
                     .iter()
@@ -275,19 +334,37 @@ fn resolve(
                             .windows(path_contains.len())
                             .any(|w| w == path_contains.as_bytes())
                     })
-                    .find_map(|path| open(path, libc::RTLD_NOLOAD | libc::RTLD_LAZY))
+                    .find_map(|path| open_with_probe(path, libc::RTLD_NOLOAD | libc::RTLD_LAZY))
             })
             .or_else(|| {
                 may_load
                     .then(|| {
                         names
                             .iter()
-                            .find_map(|n| open(n, libc::RTLD_LAZY | libc::RTLD_LOCAL))
+                            .find_map(|n| open_with_probe(n, libc::RTLD_LAZY | libc::RTLD_LOCAL))
                     })
                     .flatten()
             });
         match found {
             Some(handle) => Some(handle),
+            None if load == Load::NcclNever => {
+                crate::cuda::notice::notice_once(
+                    "nccl",
+                    &format!(
+                        "stablebuf-preload: an NCCL function was called through the layer but no \
+                         {path_contains} was found in this process (tried RTLD_NEXT, {} and \
+                         every loaded object); the layer's NCCL hooks answer ncclSystemError. \
+                         Set STABLEBUF_PRELOAD_MODE=off if this program loads NCCL in a way \
+                         the layer cannot see (dlmopen, a static libnccl).",
+                        names
+                            .iter()
+                            .map(|n| n.to_string_lossy())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                );
+                return None;
+            }
             None => {
                 crate::cuda::notice::notice_once(
                     if may_load { "driver" } else { "runtime" },
@@ -525,6 +602,105 @@ pub fn copy_and_wait(
         }
         Ok(())
     })
+}
+
+/// `ncclCommRegister(comm, buff, size, &handle)` of the real libnccl: the handle, or the
+/// `ncclResult_t` it failed with (`ncclSystemError` when no libnccl is found).
+pub fn nccl_register(comm: usize, buff: u64, size: usize) -> Result<usize, c_int> {
+    let Some(register) = nccl_functions().and_then(|n| n.ncclCommRegister) else {
+        return Err(nccl::SYSTEM_ERROR);
+    };
+    let mut handle: *mut c_void = std::ptr::null_mut();
+    // SAFETY: `comm` is the communicator a caller of ncclCommRegister passed to the layer (not
+    // destroyed since: the layer drops its records at ncclCommDestroy/ncclCommAbort), and
+    // the out-pointer is a local.
+    let result = unsafe { register(comm as *mut c_void, buff as *mut c_void, size, &mut handle) };
+    if result == nccl::SUCCESS {
+        Ok(handle as usize)
+    } else {
+        Err(result)
+    }
+}
+
+/// `ncclCommDeregister(comm, handle)` of the real libnccl (`ncclSystemError` when no libnccl
+/// is found).
+pub fn nccl_deregister(comm: usize, handle: usize) -> c_int {
+    let Some(deregister) = nccl_functions().and_then(|n| n.ncclCommDeregister) else {
+        return nccl::SYSTEM_ERROR;
+    };
+    // SAFETY: a live communicator (as above) and a handle its ncclCommRegister returned.
+    unsafe { deregister(comm as *mut c_void, handle as *mut c_void) }
+}
+
+/// Waits for all work of every device whose primary context is active (no context is made
+/// for a device nobody used). Returns the devices waited for. Used before NCCL registrations
+/// are dropped: a collective still running on any device may read a peer's registered buffer.
+pub fn synchronize_active_devices() -> Result<Vec<usize>, Fail> {
+    let driver = driver().ok_or(Fail::NoDriver)?;
+    let (Some(count), Some(get), Some(state), Some(retain), Some(release), Some(push), Some(pop)) = (
+        driver.cuDeviceGetCount,
+        driver.cuDeviceGet,
+        driver.cuDevicePrimaryCtxGetState,
+        driver.cuDevicePrimaryCtxRetain,
+        driver.cuDevicePrimaryCtxRelease_v2,
+        driver.cuCtxPushCurrent_v2,
+        driver.cuCtxPopCurrent_v2,
+    ) else {
+        return Err(missing(
+            "cuDeviceGetCount/cuDevicePrimaryCtx*/cuCtxPush/PopCurrent",
+        ));
+    };
+    let synchronize = driver_flush_points()
+        .and_then(|f| f.cuCtxSynchronize)
+        .ok_or_else(|| missing("cuCtxSynchronize"))?;
+    let failed = |call: &str, result: c_int| Fail::Driver {
+        result,
+        what: format!("{call} while waiting for the devices before an NCCL deregistration"),
+    };
+    let mut devices: c_int = 0;
+    // SAFETY: one valid out-pointer.
+    let result = unsafe { count(&mut devices) };
+    if result != cu::SUCCESS {
+        return Err(failed("cuDeviceGetCount", result));
+    }
+    let mut waited = Vec::new();
+    for ordinal in 0..devices {
+        let mut device: c_int = 0;
+        // SAFETY: one valid out-pointer and an ordinal below the count.
+        if unsafe { get(&mut device, ordinal) } != cu::SUCCESS {
+            continue;
+        }
+        let (mut flags, mut active): (c_uint, c_int) = (0, 0);
+        // SAFETY: two valid out-pointers and a device the driver just named.
+        if unsafe { state(device, &mut flags, &mut active) } != cu::SUCCESS || active == 0 {
+            continue;
+        }
+        let mut context: *mut c_void = std::ptr::null_mut();
+        // SAFETY: as above; the primary context is active, so this only takes a reference.
+        let result = unsafe { retain(&mut context, device) };
+        if result != cu::SUCCESS {
+            return Err(failed("cuDevicePrimaryCtxRetain", result));
+        }
+        // SAFETY: the context just retained; pushed and popped on this thread.
+        let result = unsafe { push(context) };
+        let waited_for = if result == cu::SUCCESS {
+            // SAFETY: the pushed context is current.
+            let result = unsafe { synchronize() };
+            let mut popped: *mut c_void = std::ptr::null_mut();
+            // SAFETY: pops what was pushed above.
+            unsafe { pop(&mut popped) };
+            result
+        } else {
+            result
+        };
+        // SAFETY: drops the reference taken above.
+        unsafe { release(device) };
+        if waited_for != cu::SUCCESS {
+            return Err(failed("cuCtxSynchronize", waited_for));
+        }
+        waited.push(ordinal as usize);
+    }
+    Ok(waited)
 }
 
 /// Runs `f` with `device` as the runtime's current device, then puts the old one back.

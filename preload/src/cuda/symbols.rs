@@ -10,6 +10,8 @@ pub enum Library {
     Runtime,
     /// `libcuda` (the CUDA driver).
     Driver,
+    /// `libnccl` (NCCL's user-buffer registration and the end of a communicator).
+    Nccl,
 }
 
 /// What the layer does with a hooked function.
@@ -32,6 +34,9 @@ pub enum Role {
     Query,
     /// Work that may touch any memory: deferred copies are performed first.
     Flush,
+    /// NCCL's registration of a user buffer, or the end of a communicator: a registration of
+    /// tagged memory is kept current across pauses and resumes (`engine/nccl.rs`).
+    NcclRegistration,
 }
 
 /// One hooked CUDA function.
@@ -50,6 +55,14 @@ const fn rt(name: &'static str, role: Role) -> Hooked {
     }
 }
 
+const fn nccl(name: &'static str) -> Hooked {
+    Hooked {
+        name,
+        library: Library::Nccl,
+        role: Role::NcclRegistration,
+    }
+}
+
 const fn drv(name: &'static str, role: Role) -> Hooked {
     Hooked {
         name,
@@ -58,9 +71,9 @@ const fn drv(name: &'static str, role: Role) -> Hooked {
     }
 }
 
-/// The CUDA functions the layer hooks for more than a flush point. The real ones are found at
-/// run time (never linked). With [`RUNTIME_FLUSH_POINTS`] and [`DRIVER_FLUSH_POINTS`]: every
-/// hooked function ([`hooked`]).
+/// The CUDA (and NCCL) functions the layer hooks for more than a flush point. The real ones are
+/// found at run time (never linked). With [`RUNTIME_FLUSH_POINTS`] and [`DRIVER_FLUSH_POINTS`]:
+/// every hooked function ([`hooked`]).
 pub const HOOKED: &[Hooked] = &[
     // Runtime: memory.
     rt("cudaMalloc", Role::Allocate),
@@ -92,6 +105,12 @@ pub const HOOKED: &[Hooked] = &[
     drv("cuPointerGetAttribute", Role::Query),
     drv("cuPointerGetAttributes", Role::Query),
     drv("cuMemRetainAllocationHandle", Role::Query),
+    // NCCL: registrations of tagged memory are renewed around pauses; a communicator's end
+    // drops its records.
+    nccl("ncclCommRegister"),
+    nccl("ncclCommDeregister"),
+    nccl("ncclCommDestroy"),
+    nccl("ncclCommAbort"),
 ];
 
 // The flush points, named once in `flush_points.rs`: here only their names.

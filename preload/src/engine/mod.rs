@@ -11,6 +11,7 @@ pub mod device;
 pub mod elide;
 pub mod gpu;
 pub mod monitor;
+pub mod nccl;
 pub mod query;
 pub mod stats;
 pub mod table;
@@ -531,6 +532,40 @@ impl<D: Device> Engine<D> {
     /// Makes `tag` known and returns the shared name to keep as a thread's current tag.
     pub fn register_tag(&self, tag: &str) -> Arc<str> {
         lock(&self.state).tags.register(tag)
+    }
+
+    /// The tags a pause of `tag` (`None`: every tag) would act on now: those awake. A tag never
+    /// set is [`Fail::UnknownTag`], as for the pause itself.
+    pub fn tags_to_pause(&self, tag: Option<&str>) -> Result<Vec<Arc<str>>, Fail> {
+        let plan = lock(&self.state).tags.plan_pause(tag)?;
+        Ok(plan.into_iter().map(|(name, _)| name).collect())
+    }
+
+    /// The tags paused now.
+    pub fn paused_tags(&self) -> BTreeSet<Arc<str>> {
+        let state = lock(&self.state);
+        state
+            .tags
+            .iter()
+            .filter(|(_, s)| s.paused)
+            .map(|(name, _)| name.clone())
+            .collect()
+    }
+
+    /// The tags of the layer's allocations that share a byte with `[start, start + bytes)`:
+    /// the memory a pause can take from under that range. Empty when the range holds none of
+    /// the layer's tagged memory (untagged pool memory keeps its pages while allocated).
+    pub fn tags_in(&self, start: u64, bytes: usize) -> Vec<Arc<str>> {
+        let state = lock(&self.state);
+        let mut tags: Vec<Arc<str>> = Vec::new();
+        for (_, entry) in state.table.overlapping(start, bytes) {
+            if let Owner::Tag { tag, .. } = &entry.payload {
+                if !tags.contains(tag) {
+                    tags.push(tag.clone());
+                }
+            }
+        }
+        tags
     }
 
     /// Pauses `tag` (`None`: every tag) on every device that holds its memory.
@@ -1470,6 +1505,45 @@ mod tests {
             "the tag is awake again"
         );
         assert_eq!(engine.view().tags_paused, 0);
+    }
+
+    #[test]
+    fn tags_in_a_range_and_the_tags_a_pause_would_take() {
+        let (engine, _, _) = engine(false);
+        let w = engine.register_tag("w");
+        let kv = engine.register_tag("kv");
+        let a = engine.alloc(0, 4 * MIB, Some(w.clone())).unwrap();
+        let b = engine.alloc(0, 4 * MIB, Some(w)).unwrap();
+        let c = engine.alloc(1, 2 * MIB, Some(kv)).unwrap();
+        let plain = engine.alloc(0, 2 * MIB, None).unwrap();
+        assert_eq!(engine.tags_in(a, 4 * MIB), vec![Arc::from("w")]);
+        assert_eq!(
+            engine.tags_in(b + 8, 16),
+            vec![Arc::from("w")],
+            "named once"
+        );
+        assert_eq!(engine.tags_in(c, 2 * MIB), vec![Arc::from("kv")]);
+        assert!(engine.tags_in(plain, 2 * MIB).is_empty(), "untagged memory");
+        assert!(engine.tags_in(0x1234, 64).is_empty(), "foreign memory");
+        let mut all = engine.tags_to_pause(None).unwrap();
+        all.sort();
+        assert_eq!(all, vec![Arc::from("kv"), Arc::from("w")]);
+        engine.pause(Some("w"), false).unwrap();
+        assert_eq!(engine.tags_to_pause(None).unwrap(), vec![Arc::from("kv")]);
+        assert!(
+            engine.tags_to_pause(Some("w")).unwrap().is_empty(),
+            "paused already"
+        );
+        assert_eq!(
+            engine.tags_to_pause(Some("nope")),
+            Err(Fail::UnknownTag("nope".into()))
+        );
+        assert_eq!(
+            engine.paused_tags().into_iter().collect::<Vec<_>>(),
+            vec![Arc::from("w")]
+        );
+        engine.resume(None).unwrap();
+        assert!(engine.paused_tags().is_empty());
     }
 
     #[test]

@@ -21,6 +21,12 @@ pub struct Counters {
     pub resumes: AtomicU64,
     pub last_pause_ns: AtomicU64,
     pub last_resume_ns: AtomicU64,
+    /// Registrations of tagged memory the layer keeps current (set after each change).
+    pub nccl_registrations: AtomicU64,
+    /// Of those, the ones not registered with NCCL now (set after each change).
+    pub nccl_suspended: AtomicU64,
+    pub nccl_reregistrations: AtomicU64,
+    pub nccl_failures: AtomicU64,
 }
 
 impl Counters {
@@ -82,10 +88,14 @@ pub struct StablebufStats {
     pub resumes: u64,
     pub last_pause_ns: u64,
     pub last_resume_ns: u64,
+    pub nccl_registrations: u64,
+    pub nccl_suspended: u64,
+    pub nccl_reregistrations: u64,
+    pub nccl_failures: u64,
 }
 
-/// Version of the struct's layout; bumped when fields are appended.
-pub const ABI_VERSION: u64 = 1;
+/// Version of the struct's layout; bumped when fields are appended (2: the `nccl_*` fields).
+pub const ABI_VERSION: u64 = 2;
 
 /// The field names in declaration order (the header test compares them with the C struct).
 pub const FIELDS: &[&str] = &[
@@ -123,6 +133,10 @@ pub const FIELDS: &[&str] = &[
     "resumes",
     "last_pause_ns",
     "last_resume_ns",
+    "nccl_registrations",
+    "nccl_suspended",
+    "nccl_reregistrations",
+    "nccl_failures",
 ];
 
 impl StablebufStats {
@@ -145,6 +159,10 @@ impl StablebufStats {
         self.resumes = get(&counters.resumes);
         self.last_pause_ns = get(&counters.last_pause_ns);
         self.last_resume_ns = get(&counters.last_resume_ns);
+        self.nccl_registrations = get(&counters.nccl_registrations);
+        self.nccl_suspended = get(&counters.nccl_suspended);
+        self.nccl_reregistrations = get(&counters.nccl_reregistrations);
+        self.nccl_failures = get(&counters.nccl_failures);
         self
     }
 
@@ -153,7 +171,7 @@ impl StablebufStats {
         self.fields().iter().flat_map(|v| v.to_ne_bytes()).collect()
     }
 
-    fn fields(&self) -> [u64; 34] {
+    fn fields(&self) -> [u64; 38] {
         [
             self.size,
             self.abi_version,
@@ -189,6 +207,10 @@ impl StablebufStats {
             self.resumes,
             self.last_pause_ns,
             self.last_resume_ns,
+            self.nccl_registrations,
+            self.nccl_suspended,
+            self.nccl_reregistrations,
+            self.nccl_failures,
         ]
     }
 }

@@ -110,6 +110,22 @@ impl<P> OwnershipTable<P> {
     pub fn iter(&self) -> impl Iterator<Item = (u64, &Entry<P>)> {
         self.entries.iter().map(|(&start, entry)| (start, entry))
     }
+
+    /// The allocations that share at least one byte with `[start, start + bytes)`, in address
+    /// order (none for an empty range).
+    pub fn overlapping(&self, start: u64, bytes: usize) -> impl Iterator<Item = (u64, &Entry<P>)> {
+        let end = start.saturating_add(bytes as u64);
+        let before = self
+            .entries
+            .range(..start)
+            .next_back()
+            .filter(|(&at, entry)| bytes > 0 && at + entry.bytes as u64 > start);
+        let inside = self.entries.range(start..end.max(start));
+        before
+            .into_iter()
+            .chain(inside)
+            .map(|(&at, entry)| (at, entry))
+    }
 }
 
 #[cfg(test)]
@@ -157,6 +173,26 @@ mod tests {
         table.insert(0x1100, 0x100, 8).unwrap(); // adjacent is fine
         table.insert(0x0f00, 0x100, 9).unwrap();
         assert_eq!(table.len(), 3);
+    }
+
+    #[test]
+    fn overlapping_finds_every_allocation_a_range_touches() {
+        let mut table = OwnershipTable::new();
+        table.insert(0x1000, 0x100, "a").unwrap();
+        table.insert(0x1100, 0x100, "b").unwrap();
+        table.insert(0x2000, 0x100, "c").unwrap();
+        let names = |start, bytes| -> Vec<&str> {
+            table
+                .overlapping(start, bytes)
+                .map(|(_, e)| e.payload)
+                .collect()
+        };
+        assert_eq!(names(0x1080, 0x100), vec!["a", "b"], "from inside a into b");
+        assert_eq!(names(0x1000, 0x100), vec!["a"], "exactly a");
+        assert_eq!(names(0x10ff, 1), vec!["a"], "a's last byte");
+        assert_eq!(names(0x1200, 0xe00), Vec::<&str>::new(), "the gap");
+        assert_eq!(names(0x0, 0x10000), vec!["a", "b", "c"]);
+        assert_eq!(names(0x1050, 0), Vec::<&str>::new(), "an empty range");
     }
 
     #[test]

@@ -53,8 +53,32 @@ pub const TIMELINE: &str = "STABLEBUF_PRELOAD_TIMELINE";
 pub const HOST_ARENA: &str = "STABLEBUF_PRELOAD_HOST_ARENA";
 pub const STITCHING: &str = "STABLEBUF_PRELOAD_STITCHING";
 pub const DRAIN_ON_OOM: &str = "STABLEBUF_PRELOAD_DRAIN_ON_OOM";
+pub const NCCL_REGISTER: &str = "STABLEBUF_PRELOAD_NCCL_REGISTER";
 pub const LOG: &str = "STABLEBUF_PRELOAD_LOG";
 pub const HELP: &str = "STABLEBUF_PRELOAD_HELP";
+
+/// What the layer does with `ncclCommRegister` of tagged memory ([`NCCL_REGISTER`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NcclRegister {
+    /// Registered, deregistered before a pause of the tag and registered again after its
+    /// resume (`engine/nccl.rs`).
+    Renew,
+    /// Answered as NCCL answers a registration it skips (success, NULL handle), without asking
+    /// NCCL: NCCL copies through its own buffers.
+    Skip,
+    /// Every NCCL call passes straight through (NCCL keeps the old pages after a resume).
+    Pass,
+}
+
+impl NcclRegister {
+    pub fn name(self) -> &'static str {
+        match self {
+            NcclRegister::Renew => "renew",
+            NcclRegister::Skip => "skip",
+            NcclRegister::Pass => "pass",
+        }
+    }
+}
 
 /// Every variable, in the order the help text lists them.
 pub const VARIABLES: &[Variable] = &[
@@ -119,6 +143,18 @@ pub const VARIABLES: &[Variable] = &[
         doc: "vmm: when the driver is out of memory, release the pool's cache and retry once.",
     },
     Variable {
+        name: NCCL_REGISTER,
+        values: "renew | skip | pass",
+        default: "renew",
+        doc: "vmm: ncclCommRegister of tagged memory. renew: registered, deregistered before a \
+              pause of the tag and registered again after its resume (a graph that captured a \
+              collective over such a buffer must be captured again after the resume). skip: \
+              answered with a NULL handle, as NCCL answers a registration it skips; NCCL then \
+              copies through its own buffers (right, slower). pass: passed through (NCCL \
+              keeps the old pages after a resume: wrong results; for comparison only). Other \
+              memory is always passed through.",
+    },
+    Variable {
         name: LOG,
         values: "tracing filter, e.g. warn, info, stablebuf_preload=debug",
         default: "unset: silent",
@@ -146,6 +182,7 @@ pub struct Config {
     pub drain_on_oom: bool,
     pub log: Option<String>,
     pub help: bool,
+    pub nccl_register: NcclRegister,
 }
 
 impl Default for Config {
@@ -161,6 +198,7 @@ impl Default for Config {
             drain_on_oom: true,
             log: None,
             help: false,
+            nccl_register: NcclRegister::Renew,
         }
     }
 }
@@ -217,6 +255,14 @@ impl Config {
         config.stitching = flag(STITCHING, true, &mut warnings);
         config.drain_on_oom = flag(DRAIN_ON_OOM, true, &mut warnings);
         config.help = flag(HELP, false, &mut warnings);
+        if let Some(value) = get(NCCL_REGISTER) {
+            match parse_nccl_register(&value) {
+                Some(policy) => config.nccl_register = policy,
+                None => warnings.push(format!(
+                    "{NCCL_REGISTER}={value:?} is not renew, skip or pass: using renew"
+                )),
+            }
+        }
         config.timeline = get(TIMELINE).map(PathBuf::from);
         config.log = get(LOG);
         (config, warnings)
@@ -240,6 +286,15 @@ pub fn parse_mode(value: &str) -> Option<Mode> {
         "off" | "0" | "none" => Some(Mode::Off),
         "monitor" => Some(Mode::Monitor),
         "vmm" => Some(Mode::Vmm),
+        _ => None,
+    }
+}
+
+pub fn parse_nccl_register(value: &str) -> Option<NcclRegister> {
+    match value.trim().to_ascii_lowercase().as_str() {
+        "renew" => Some(NcclRegister::Renew),
+        "skip" => Some(NcclRegister::Skip),
+        "pass" => Some(NcclRegister::Pass),
         _ => None,
     }
 }
@@ -285,6 +340,33 @@ pub fn parse_size(value: &str) -> Option<usize> {
         return None;
     }
     Some(bytes.round() as usize)
+}
+
+/// NCCL's variable for registering the buffers of collectives captured in CUDA graphs (on by
+/// default in NCCL).
+pub const NCCL_GRAPH_REGISTER: &str = "NCCL_GRAPH_REGISTER";
+
+/// What the layer does about [`NCCL_GRAPH_REGISTER`] at load time: in vmm mode, where the
+/// variable is unset (or empty, which NCCL reads as unset), it is set to `0`, and this notice
+/// says why and how to keep NCCL's default. `None`: leave the environment alone.
+///
+/// NCCL registers the buffers of a collective captured in a graph inside its own enqueue path
+/// (`ncclCommGraphRegister`, not an exported function), so the layer cannot renew those
+/// registrations around a pause as it does `ncclCommRegister`'s; in one process driving
+/// several GPUs such a registration of tagged memory keeps the old pages after a resume.
+/// Across processes (one per GPU) graph registration of the layer's memory never succeeds
+/// anyway (the export fails and NCCL copies), so nothing is lost there.
+pub fn nccl_graph_register_default(mode: Mode, current: Option<&str>) -> Option<String> {
+    if mode != Mode::Vmm || current.is_some_and(|v| !v.trim().is_empty()) {
+        return None;
+    }
+    Some(format!(
+        "stablebuf-preload: set {NCCL_GRAPH_REGISTER}=0 for NCCL (vmm mode): NCCL's own \
+         registration of buffers in collectives captured in CUDA graphs cannot be renewed by the \
+         layer, and would keep the old pages of tagged memory across a pause and resume. Set \
+         {NCCL_GRAPH_REGISTER}=1 to keep NCCL's default (safe when no captured collective uses \
+         tagged memory that is paused)."
+    ))
 }
 
 /// The text `STABLEBUF_PRELOAD_HELP=1` prints: every variable, its values, default and meaning.
@@ -369,6 +451,7 @@ mod tests {
             (DRAIN_ON_OOM, "false"),
             (LOG, "debug"),
             (HELP, "1"),
+            (NCCL_REGISTER, "Skip"),
         ]);
         assert!(warnings.is_empty(), "{warnings:?}");
         assert_eq!(config.mode, Mode::Monitor);
@@ -381,11 +464,17 @@ mod tests {
         assert!(!config.stitching && !config.drain_on_oom);
         assert_eq!(config.log.as_deref(), Some("debug"));
         assert!(config.help);
+        assert_eq!(config.nccl_register, NcclRegister::Skip);
     }
 
     #[test]
     fn bad_values_warn_and_fall_back() {
-        let (config, warnings) = config(&[(MODE, "fast"), (BUDGET, "lots"), (STITCHING, "maybe")]);
+        let (config, warnings) = config(&[
+            (MODE, "fast"),
+            (BUDGET, "lots"),
+            (STITCHING, "maybe"),
+            (NCCL_REGISTER, "sometimes"),
+        ]);
         assert_eq!(
             config.mode,
             Mode::Off,
@@ -393,7 +482,9 @@ mod tests {
         );
         assert_eq!(config.budget, None);
         assert!(config.stitching);
-        assert_eq!(warnings.len(), 3, "{warnings:?}");
+        assert_eq!(config.nccl_register, NcclRegister::Renew);
+        assert_eq!(warnings.len(), 4, "{warnings:?}");
+        assert!(warnings[3].contains(NCCL_REGISTER), "{warnings:?}");
         assert!(warnings[0].contains(MODE) && warnings[1].contains(BUDGET));
         let (config, _) = config_vmm_elide();
         assert!(config.eliding());
@@ -436,11 +527,32 @@ mod tests {
             HOST_ARENA,
             STITCHING,
             DRAIN_ON_OOM,
+            NCCL_REGISTER,
             LOG,
             HELP,
         ] {
             assert!(VARIABLES.iter().any(|v| v.name == name), "{name}");
         }
+    }
+
+    #[test]
+    fn nccl_graph_registration_is_turned_off_only_in_vmm_mode_and_only_if_unset() {
+        let notice = nccl_graph_register_default(Mode::Vmm, None).expect("vmm, unset");
+        assert!(
+            notice.contains("NCCL_GRAPH_REGISTER=0") && notice.contains("NCCL_GRAPH_REGISTER=1")
+        );
+        assert!(
+            nccl_graph_register_default(Mode::Vmm, Some(" ")).is_some(),
+            "empty is unset"
+        );
+        assert_eq!(
+            nccl_graph_register_default(Mode::Vmm, Some("1")),
+            None,
+            "the user's value"
+        );
+        assert_eq!(nccl_graph_register_default(Mode::Vmm, Some("0")), None);
+        assert_eq!(nccl_graph_register_default(Mode::Monitor, None), None);
+        assert_eq!(nccl_graph_register_default(Mode::Off, None), None);
     }
 
     #[test]
@@ -453,5 +565,6 @@ mod tests {
                 variable.name
             );
         }
+        assert!(readme.contains(NCCL_GRAPH_REGISTER));
     }
 }

@@ -14,14 +14,16 @@ use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::OnceLock;
 
-use crate::cuda::codes::{abi, cu, cuda, Fail};
+use crate::cuda::codes::{abi, cu, cuda, nccl, Fail};
 use crate::cuda::entry;
 use crate::cuda::notice;
 use crate::cuda::real::{self, DevicePtr, Dim3, Event, Extent, PitchedPtr, Stream};
+use crate::engine::nccl::is_proxy;
 use crate::engine::query::{self, Allocation, Answer};
 use crate::engine::stats::{bytes_to_write, Counters, StablebufStats};
 use crate::engine::tags;
 use crate::engine::{Copied, CopyCall, Freed};
+use crate::hooks::env::{self, Mode, NcclRegister};
 use crate::hooks::layer::{self, Api, Inside, Route};
 
 // ---- helpers ----------------------------------------------------------------------------
@@ -1074,6 +1076,117 @@ fn driver_hook(name: &str) -> Option<*mut c_void> {
     Some(address as *mut c_void)
 }
 
+// ---- NCCL: registrations of tagged memory ------------------------------------------------
+
+/// The real libnccl function `$name`, or return `ncclSystemError` from the hook (no libnccl
+/// found in this process; a notice said so).
+macro_rules! real_nccl {
+    ($name:ident) => {
+        match real::nccl_functions().and_then(|table| table.$name) {
+            Some(function) => function,
+            None => {
+                tracing::warn!(
+                    function = stringify!($name),
+                    "the real NCCL function was not found"
+                );
+                return nccl::SYSTEM_ERROR;
+            }
+        }
+    };
+}
+
+/// `ncclCommRegister`: in vmm mode a range that holds tagged memory is registered, and the
+/// caller gets a proxy handle whose registration the layer drops before a pause of the tag and
+/// makes again after its resume (`engine/nccl.rs`); any other range is NCCL's business alone.
+/// PyTorch and programs linked with libnccl reach this through the dynamic symbol; a call
+/// through `dlsym` on libnccl's own handle does not.
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommRegister(
+    comm: *mut c_void,
+    buff: *mut c_void,
+    size: usize,
+    handle: *mut *mut c_void,
+) -> c_int {
+    guarded("ncclCommRegister", nccl::INTERNAL_ERROR, || {
+        let real = real_nccl!(ncclCommRegister);
+        // SAFETY: the caller's arguments, passed on unchanged.
+        let pass = || unsafe { real(comm, buff, size, handle) };
+        let Some(_inside) = Inside::enter() else {
+            return pass();
+        };
+        let Route::Vmm(layer, engine) = layer::route() else {
+            return pass();
+        };
+        if layer.config.nccl_register == NcclRegister::Pass {
+            return pass();
+        }
+        if handle.is_null() {
+            return nccl::INVALID_ARGUMENT;
+        }
+        match layer.nccl_register(engine, comm as usize, buff as u64, size) {
+            Ok(registered) => {
+                // SAFETY: the caller's non-NULL out-pointer.
+                unsafe { *handle = registered as *mut c_void };
+                nccl::SUCCESS
+            }
+            Err(code) => code,
+        }
+    })
+}
+
+/// `ncclCommDeregister`: a proxy handle deregisters the registration the layer keeps for it
+/// (nothing while its tag is paused); NCCL's own handles go straight to NCCL.
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommDeregister(comm: *mut c_void, handle: *mut c_void) -> c_int {
+    guarded("ncclCommDeregister", nccl::INTERNAL_ERROR, || {
+        let real = real_nccl!(ncclCommDeregister);
+        // SAFETY: the caller's arguments, passed on unchanged.
+        let pass = || unsafe { real(comm, handle) };
+        if !is_proxy(handle as usize) {
+            return pass();
+        }
+        let Some(_inside) = Inside::enter() else {
+            return pass();
+        };
+        match layer::route() {
+            Route::Vmm(layer, _) => layer.nccl_deregister(comm as usize, handle as usize),
+            _ => pass(),
+        }
+    })
+}
+
+/// Before a communicator ends: the layer forgets its registrations (NCCL releases its own).
+fn forget_communicator(comm: *mut c_void, call: &'static str) {
+    let Some(_inside) = Inside::enter() else {
+        return;
+    };
+    if let Route::Vmm(layer, _) = layer::route() {
+        layer.nccl_forget(comm as usize, call);
+    }
+}
+
+/// `ncclCommDestroy`: the layer's records of the communicator's registrations go first.
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommDestroy(comm: *mut c_void) -> c_int {
+    guarded("ncclCommDestroy", nccl::INTERNAL_ERROR, || {
+        let real = real_nccl!(ncclCommDestroy);
+        forget_communicator(comm, "ncclCommDestroy");
+        // SAFETY: the caller's argument, passed on unchanged.
+        unsafe { real(comm) }
+    })
+}
+
+/// `ncclCommAbort`: as `ncclCommDestroy`.
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommAbort(comm: *mut c_void) -> c_int {
+    guarded("ncclCommAbort", nccl::INTERNAL_ERROR, || {
+        let real = real_nccl!(ncclCommAbort);
+        forget_communicator(comm, "ncclCommAbort");
+        // SAFETY: the caller's argument, passed on unchanged.
+        unsafe { real(comm) }
+    })
+}
+
 // ---- the layer's own C ABI --------------------------------------------------------------
 
 fn abi_guarded(call: &'static str, body: impl FnOnce() -> Result<(), Fail>) -> c_int {
@@ -1188,6 +1301,7 @@ pub unsafe extern "C" fn stablebuf_error_string(code: c_int) -> *const c_char {
 extern "C" fn init_at_load() {
     let _ = catch_unwind(|| {
         layer::init();
+        nccl_graph_register_default();
         // SAFETY: registers functions of this library; glibc unregisters them if the library
         // is unloaded (both take the caller's DSO handle).
         unsafe {
@@ -1200,6 +1314,24 @@ extern "C" fn init_at_load() {
 #[used]
 #[link_section = ".init_array"]
 static INIT_AT_LOAD: extern "C" fn() = init_at_load;
+
+/// vmm: `NCCL_GRAPH_REGISTER=0` unless the user set it ([`env::nccl_graph_register_default`]
+/// says why), at load time, before any NCCL reads its environment (NCCL reads it when its
+/// first communicator is made; a program or Python that sets it later overrides this).
+fn nccl_graph_register_default() {
+    let mode = layer::layer().config.mode;
+    let current = std::env::var(env::NCCL_GRAPH_REGISTER).ok();
+    let Some(notice) = env::nccl_graph_register_default(mode, current.as_deref()) else {
+        return;
+    };
+    debug_assert_eq!(mode, Mode::Vmm);
+    // SAFETY: two NUL-terminated strings; at load time, from the library's constructor,
+    // before the program's own code runs (no other thread reads the environment yet).
+    let set = unsafe { libc::setenv(c"NCCL_GRAPH_REGISTER".as_ptr(), c"0".as_ptr(), 1) };
+    if set == 0 {
+        notice::notice_once("nccl-graph-register", &notice);
+    }
+}
 
 extern "C" fn at_exit() {
     let _ = catch_unwind(|| layer::layer().at_exit());
@@ -1221,6 +1353,8 @@ mod tests {
             name.starts_with("cuda")
                 || name.starts_with("__cuda")
                 || name.starts_with("stablebuf_")
+                || (name.starts_with("nccl")
+                    && name[4..].starts_with(|c: char| c.is_ascii_uppercase()))
                 || (name.starts_with("cu")
                     && name[2..].starts_with(|c: char| c.is_ascii_uppercase()))
         };

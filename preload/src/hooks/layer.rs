@@ -15,11 +15,12 @@ use crate::cuda::notice::notice_once;
 use crate::cuda::real;
 use crate::engine::gpu::{GpuDevice, GpuOptions, HostSlot};
 use crate::engine::monitor::{merge_events, MonitorLog};
+use crate::engine::nccl::{RealNccl, Registered, Registrations, Report, Step};
 use crate::engine::query::Allocation;
 use crate::engine::stats::{Counters, StablebufStats, ABI_VERSION};
 use crate::engine::tags;
 use crate::engine::{Copied, CopyCall, Engine, Freed};
-use crate::hooks::env::{self, Config, Mode};
+use crate::hooks::env::{self, Config, Mode, NcclRegister};
 
 /// Monitor mode keeps this many allocation records for the timeline.
 const MONITOR_RECORDS: usize = 1 << 18;
@@ -35,6 +36,22 @@ pub struct Layer {
     names: Mutex<BTreeSet<Arc<str>>>,
     /// Calls inside the engine or monitor right now (the exit handler waits for 0).
     busy: AtomicUsize,
+    /// NCCL registrations of tagged memory (vmm), renewed around pauses. Lock order: this,
+    /// then the engine's locks (the engine never takes this one).
+    nccl: Mutex<Registrations>,
+}
+
+/// The real libnccl, for the registration book.
+struct LibNccl;
+
+impl RealNccl for LibNccl {
+    fn register(&self, comm: usize, buff: u64, size: usize) -> Result<usize, i32> {
+        real::nccl_register(comm, buff, size)
+    }
+
+    fn deregister(&self, comm: usize, handle: usize) -> i32 {
+        real::nccl_deregister(comm, handle)
+    }
 }
 
 static LAYER: OnceLock<Layer> = OnceLock::new();
@@ -166,7 +183,11 @@ impl Layer {
         });
         let monitor =
             (config.mode == Mode::Monitor).then(|| Mutex::new(MonitorLog::new(MONITOR_RECORDS)));
-        tracing::debug!(mode = config.mode.name(), "stablebuf-preload loaded");
+        tracing::debug!(
+            mode = config.mode.name(),
+            nccl_register = config.nccl_register.name(),
+            "stablebuf-preload loaded"
+        );
         Layer {
             config,
             started,
@@ -176,6 +197,7 @@ impl Layer {
             monitor,
             names: Mutex::new(BTreeSet::new()),
             busy: AtomicUsize::new(0),
+            nccl: Mutex::new(Registrations::new()),
         }
     }
 
@@ -412,7 +434,27 @@ impl Layer {
         let engine = self.vmm()?;
         let _busy = Busy::new(&self.busy);
         let _context = real::ContextGuard::save();
-        let transfer = engine.pause(tag, keep)?;
+        // Held for the whole pause: a registration meanwhile waits, then sees the tag paused.
+        let mut book = lock(&self.nccl);
+        if !book.is_empty() {
+            let pausing = engine.tags_to_pause(tag)?;
+            let pausing = |t: &str| pausing.iter().any(|p| &**p == t);
+            if book.any_registered_in(pausing) {
+                // A collective still running may read a registered buffer through a peer's
+                // mapping, which the deregistration takes away: wait for every device first
+                // (the pause itself waits only for the tag's devices, and only afterwards).
+                if let Err(fail) = real::synchronize_active_devices() {
+                    tracing::warn!(%fail, "waiting for the devices before deregistering NCCL buffers failed; deregistering anyway");
+                }
+                let report = book.before_pause(&LibNccl, pausing);
+                self.nccl_reported("before the pause", &report);
+            }
+        }
+        let result = engine.pause(tag, keep);
+        // Tags that did not end up paused (a device failed) get their registrations back.
+        self.nccl_renew(engine, &mut book, "after the pause");
+        drop(book);
+        let transfer = result?;
         tracing::info!(
             tag,
             keep,
@@ -428,7 +470,13 @@ impl Layer {
         let engine = self.vmm()?;
         let _busy = Busy::new(&self.busy);
         let _context = real::ContextGuard::save();
-        let transfer = engine.resume(tag)?;
+        let mut book = lock(&self.nccl);
+        let result = engine.resume(tag);
+        // The memory is mapped and restored: registrations of every awake tag are made again
+        // (also after a failed resume: tags that did wake get theirs).
+        self.nccl_renew(engine, &mut book, "after the resume");
+        drop(book);
+        let transfer = result?;
         tracing::info!(
             tag,
             bytes = transfer.bytes,
@@ -437,6 +485,138 @@ impl Layer {
             "resumed"
         );
         Ok(())
+    }
+
+    // ---- NCCL registrations ---------------------------------------------------------------
+
+    /// vmm: `ncclCommRegister(comm, buff, size)`. Tagged memory gets a proxy handle whose
+    /// registration is renewed around pauses; any other range is registered as is. Errors are
+    /// `ncclResult_t` codes.
+    pub fn nccl_register(
+        &self,
+        engine: &Engine<GpuDevice>,
+        comm: usize,
+        buff: u64,
+        size: usize,
+    ) -> Result<usize, i32> {
+        let _busy = Busy::new(&self.busy);
+        let mut book = lock(&self.nccl);
+        let (tags, paused) = {
+            let _context = real::ContextGuard::save();
+            // NCCL is about to ask the driver about this memory: make it ready, as a pointer
+            // query does (a held allocation mapped, deferred copies performed).
+            if let Err(fail) = engine.settle(buff) {
+                tracing::warn!(%fail, buff, "making memory ready for ncclCommRegister failed");
+            }
+            let tags = engine.tags_in(buff, size);
+            let paused_now = engine.paused_tags();
+            let paused = tags.iter().any(|t| paused_now.contains(t));
+            (tags, paused)
+        };
+        if self.config.nccl_register == NcclRegister::Skip && !tags.is_empty() {
+            // NCCL's own answer for a registration it skips: NCCL copies through its buffers.
+            tracing::debug!(
+                comm,
+                buff,
+                size,
+                "ncclCommRegister of tagged memory skipped"
+            );
+            return Ok(0);
+        }
+        let result = book.register(&LibNccl, comm, buff, size, tags, paused);
+        match &result {
+            Ok(Registered::Proxy(proxy)) => tracing::debug!(
+                comm,
+                buff,
+                size,
+                proxy,
+                suspended = paused,
+                "ncclCommRegister of tagged memory: kept current across pauses"
+            ),
+            Ok(Registered::Real(_)) => {}
+            Err(code) => tracing::warn!(comm, buff, size, code, "ncclCommRegister failed"),
+        }
+        self.nccl_publish(&book);
+        result.map(Registered::handle)
+    }
+
+    /// vmm: `ncclCommDeregister(comm, proxy)` of a proxy handle (a real one goes straight to
+    /// NCCL): the current real registration, or nothing while suspended.
+    pub fn nccl_deregister(&self, comm: usize, handle: usize) -> i32 {
+        let _busy = Busy::new(&self.busy);
+        let mut book = lock(&self.nccl);
+        let code = book.deregister(&LibNccl, comm, handle);
+        if code != 0 {
+            tracing::warn!(
+                comm,
+                handle,
+                code,
+                "ncclCommDeregister of a proxy handle failed"
+            );
+        }
+        self.nccl_publish(&book);
+        code
+    }
+
+    /// vmm: `comm` is being destroyed or aborted: its records go (NCCL drops its own
+    /// registrations with the communicator).
+    pub fn nccl_forget(&self, comm: usize, call: &'static str) {
+        let _busy = Busy::new(&self.busy);
+        let mut book = lock(&self.nccl);
+        let dropped = book.forget_comm(comm);
+        if dropped > 0 {
+            tracing::debug!(
+                call,
+                comm,
+                dropped,
+                "dropped the communicator's NCCL registrations"
+            );
+        }
+        self.nccl_publish(&book);
+    }
+
+    /// Registers again what a pause or resume left suspended in awake tags.
+    fn nccl_renew(&self, engine: &Engine<GpuDevice>, book: &mut Registrations, when: &str) {
+        if book.suspended() == 0 {
+            return;
+        }
+        let paused = engine.paused_tags();
+        let report = book.after_change(&LibNccl, |t| paused.contains(t));
+        self.nccl_reported(when, &report);
+        self.nccl_publish(book);
+    }
+
+    fn nccl_reported(&self, when: &str, report: &Report) {
+        Counters::add(
+            &self.counters.nccl_reregistrations,
+            report.registered as u64,
+        );
+        Counters::add(&self.counters.nccl_failures, report.failures.len() as u64);
+        if report.deregistered + report.registered > 0 {
+            tracing::info!(
+                when,
+                deregistered = report.deregistered,
+                registered = report.registered,
+                "NCCL registrations of tagged memory renewed"
+            );
+        }
+        for failure in &report.failures {
+            let what = match failure.step {
+                Step::Deregister => "deregistering it before the pause failed: NCCL keeps the old pages and may give wrong results after the resume; deregister it yourself before pausing",
+                Step::Register => "registering it again after the resume failed: it stays unregistered (NCCL copies through its own buffers: right, slower), is tried again after the next pause or resume, and ncclCommDeregister of it succeeds",
+            };
+            let text = format!(
+                "stablebuf-preload: NCCL registration of {:#x} ({} bytes, communicator {:#x}) {when}: {what} (ncclResult_t {})",
+                failure.buff, failure.size, failure.comm, failure.code
+            );
+            tracing::warn!("{text}");
+            notice_once("nccl-renew", &text);
+        }
+    }
+
+    fn nccl_publish(&self, book: &Registrations) {
+        Counters::set(&self.counters.nccl_registrations, book.len() as u64);
+        Counters::set(&self.counters.nccl_suspended, book.suspended() as u64);
     }
 
     pub fn reserve_host(&self, bytes: usize) -> Result<(), Fail> {
@@ -583,6 +763,20 @@ pub fn vmm_summary(stats: &StablebufStats) -> String {
         stats.resumes,
         stats.entry_points,
         stats.ipc_refusals,
+    ) + &nccl_summary(stats)
+}
+
+/// The NCCL part of the summary: only where registrations of tagged memory were seen.
+fn nccl_summary(stats: &StablebufStats) -> String {
+    if stats.nccl_registrations + stats.nccl_reregistrations + stats.nccl_failures == 0 {
+        return String::new();
+    }
+    format!(
+        "; NCCL registrations of tagged memory {} ({} suspended), {} made again after resumes, {} failures",
+        stats.nccl_registrations,
+        stats.nccl_suspended,
+        stats.nccl_reregistrations,
+        stats.nccl_failures,
     )
 }
 
@@ -641,5 +835,21 @@ mod tests {
         );
         assert!(line.contains("elided 2 (3.00 GiB)"), "{line}");
         assert!(line.contains("entry points hooked 2"), "{line}");
+        assert!(
+            !line.contains("NCCL"),
+            "no NCCL part without registrations: {line}"
+        );
+        let nccl = StablebufStats {
+            nccl_registrations: 4,
+            nccl_reregistrations: 8,
+            ..stats
+        };
+        assert!(
+            vmm_summary(&nccl).ends_with(
+                "; NCCL registrations of tagged memory 4 (0 suspended), 8 made again after resumes, 0 failures"
+            ),
+            "{}",
+            vmm_summary(&nccl)
+        );
     }
 }
