@@ -39,7 +39,9 @@ holds the same shard, on the engine's GPU), and ``group=`` a ``torch.distributed
 the engines' ranks (a gloo group keeps the agreement off the GPU and beside the step:
 ``dist.new_group(backend="gloo")``). Every rank calls :meth:`Engine.poll` at the same step
 boundary; a version is then bound on every rank at that boundary or on none
-(:mod:`stablebuf._switcher` says how), so no step ever mixes two versions across ranks.
+(:mod:`stablebuf._switcher` says how), so no step ever mixes two versions across ranks. The
+ranks agree at every ``agree_every``-th boundary (default 8); the boundaries between cost
+next to nothing, and a version every rank has is bound within ``2 * agree_every`` boundaries.
 ``keep_previous=True`` keeps the version bound before the last switch for
 :meth:`Engine.rollback` (one bind): one more set, so ``sets`` is at least 3.
 """
@@ -48,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from array import array
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
@@ -62,7 +65,14 @@ from ._native import (
     VersionConflict,
     WeightSet,
 )
-from ._switcher import StartMin, Switch, SwitchFailed, VersionSwitcher
+from ._switcher import (
+    DEFAULT_AGREE_EVERY,
+    StartMin,
+    Switch,
+    SwitchFailed,
+    VersionSwitcher,
+    check_agree_every,
+)
 
 #: The manifest differs from what the trainer expects (an :class:`OfferMismatch`).
 ManifestMismatch = OfferMismatch
@@ -96,27 +106,51 @@ def torch_start_min(group: Any) -> StartMin:
     ``torch.distributed`` process group), as :class:`~stablebuf._switcher.VersionSwitcher`
     asks for it. On a gloo group it runs on the host, in gloo's own threads, while the caller
     goes on (a serving loop's step); on any other backend (NCCL) it runs on the current
-    device and is waited for at once, which waits for that device's queued work too."""
+    device and is waited for at once, which waits for that device's queued work too.
+
+    On the host each reduction runs in a CPU tensor over a buffer of this function's own
+    (``torch.frombuffer`` over an ``array``: no tensor built from a list, no ``tolist``), which
+    is used again once its answer is read: a reduction still in flight keeps its own."""
     torch = cuda_torch()
     import torch.distributed as dist
 
-    on_host = dist.get_backend(group) == "gloo"
+    all_reduce, minimum = dist.all_reduce, dist.ReduceOp.MIN
+    if dist.get_backend(group) != "gloo":
 
-    def start_min(values: Sequence[int]) -> Callable[[], List[int]]:
-        device = "cpu" if on_host else torch.device("cuda", torch.cuda.current_device())
-        t = torch.tensor(list(values), dtype=torch.int64, device=device)
-        work = dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group, async_op=on_host)
-        if not on_host:
+        def start_on_device(values: Sequence[int]) -> Callable[[], List[int]]:
+            device = torch.device("cuda", torch.cuda.current_device())
+            t = torch.tensor(list(values), dtype=torch.int64, device=device)
+            all_reduce(t, op=minimum, group=group)
             done = [int(v) for v in t.tolist()]
             return lambda: done
 
+        return start_on_device
+
+    # Per length, the buffers whose reductions were read (free to use again).
+    free: Dict[int, List[Tuple[Any, Any]]] = {}
+
+    def start_on_host(values: Sequence[int]) -> Callable[[], List[int]]:
+        n = len(values)
+        spare = free.get(n)
+        if spare:
+            buffer, t = spare.pop()
+            buffer[:] = array("q", values)
+        else:
+            buffer = array("q", values)
+            t = torch.frombuffer(buffer, dtype=torch.int64)  # shares buffer's memory
+        work = all_reduce(t, op=minimum, group=group, async_op=True)
+        answer: List[int] = []
+
         def result() -> List[int]:
-            work.wait()
-            return [int(v) for v in t.tolist()]
+            if not answer:
+                work.wait()  # raises when the group broke: the buffer is then never used again
+                answer.extend(buffer.tolist())
+                free.setdefault(n, []).append((buffer, t))  # done: it may carry the next one
+            return list(answer)
 
         return result
 
-    return start_min
+    return start_on_host
 
 
 def _wait_for_message(channel: Any, deadline: Optional[float], what: str) -> None:
@@ -172,8 +206,17 @@ class Engine:
     ``group``: the ``torch.distributed`` group of the tensor-parallel ranks' engines (gloo:
     the agreement then runs on the host, beside the step); every switch and rollback is then
     made on every rank or on none, and every rank must call :meth:`poll`, :meth:`rollback`,
-    :meth:`sleep` and :meth:`wake` at the same step boundary. A version every rank has is bound
-    at the boundary after the one that found it.
+    :meth:`sleep` and :meth:`wake` at the same step boundary. The ranks agree at every
+    ``agree_every``-th call of :meth:`poll` (an agreement boundary; default
+    :data:`~stablebuf._switcher.DEFAULT_AGREE_EVERY`, 8): there they collect the all-reduce
+    started at the agreement boundary before, bind what it found, read the trainer's messages
+    and start the next; the boundaries between only count themselves (no collective, no native
+    call, no message read: a commit, a connecting or departed trainer is taken at the next
+    agreement boundary). A version every rank has is bound within ``2 * agree_every``
+    boundaries, on every rank at the same one; ``agree_every=1`` agrees at every boundary (a
+    switch two boundaries after every rank has the version, for the whole agreement's cost at
+    every step). A :meth:`rollback` is an agreement boundary of its own. Without a group,
+    ``agree_every`` is unused: every :meth:`poll` binds the newest commit.
 
     :meth:`poll` and :meth:`rollback` return a :class:`PollStatus` and raise only for misuse
     (a closed engine; a rollback asleep or without ``keep_previous``): a serving loop logs
@@ -192,12 +235,14 @@ class Engine:
         sets: int = 2,
         keep_previous: bool = False,
         group: Any = None,
+        agree_every: int = DEFAULT_AGREE_EVERY,
     ) -> None:
         if sets < 2 + keep_previous:
             raise ValueError(
                 f"sets={sets}: at least {2 + keep_previous} (the trainer writes one, the engine "
                 "serves one" + (", and keeps the previous version)" if keep_previous else ")")
             )
+        check_agree_every(agree_every)  # before anything is made
         torch = cuda_torch()
         self.tag = tag
         base = _native.region_base(tag)
@@ -236,11 +281,14 @@ class Engine:
             lambda: _native.bound(tag),
             keep_previous=keep_previous,
             start_min=None if group is None else torch_start_min(group),
+            agree_every=agree_every,
         )
         self._asleep = False
         self._closed = False
         # What went wrong outside poll (accept, wait_for_commit, wake): the next poll says it.
         self._unreported: List[str] = []
+        # What a group's poll between agreement boundaries returns (built once, reused).
+        self._quiet: Optional[PollStatus] = None
 
     # ----------------------------------------------------------------- state
 
@@ -252,6 +300,11 @@ class Engine:
     def version(self) -> int:
         """The version bound now (0: the weights the engine started with)."""
         return self._switcher.version
+
+    @property
+    def agree_every(self) -> int:
+        """With a group: the ranks agree at every ``agree_every``-th boundary."""
+        return self._switcher.agree_every
 
     @property
     def connected(self) -> bool:
@@ -380,14 +433,23 @@ class Engine:
         refused, the trainer's and the group's state, and what went wrong.
 
         With a ``group``, every rank calls it at the same boundary; a version is bound once
-        every rank has it (at the boundary after the one that found that), on every rank or on
-        none. It waits only for the group's answer to the offers of the boundary before, which
-        is there unless another rank has not reached that boundary yet. The engine keeps
-        serving what it had bound whatever the trainer does (goes away, commits a version not
-        newer, dies mid-write).
+        every rank has it (at the agreement boundary after the one that found that), on every
+        rank or on none. Between agreement boundaries (every ``agree_every``-th call) it only
+        counts the boundary and returns the same status as the last quiet one: nothing read,
+        nothing started. At one it waits only for the group's answer to the offers of the
+        agreement boundary before, which is there unless another rank has not reached that
+        boundary yet. The engine keeps serving what it had bound whatever the trainer does (goes
+        away, commits a version not newer, dies mid-write).
 
         Raises :class:`PublishError` only on a closed engine."""
-        self._check_open()
+        if self._closed:
+            raise PublishError(f"engine `{self.tag}` is closed")
+        if not self._asleep and not self._unreported and self._switcher.pass_boundary():
+            # A group's boundary between agreement boundaries: nothing is due, nothing to say.
+            quiet = self._quiet
+            if quiet is None or quiet.trainer_connected is not (self._channel is not None):
+                quiet = self._quiet = self._quiet_status()
+            return quiet
         problems, self._unreported = self._unreported, []
         self._read_trainer(problems)
         switch = Switch()
@@ -420,7 +482,16 @@ class Engine:
         problems, self._unreported = self._unreported, []
         return self._status(switch, problems)
 
+    def _quiet_status(self) -> PollStatus:
+        """Where the engine stands, with nothing bound, refused or said."""
+        return PollStatus(
+            version=self._switcher.version,
+            trainer_connected=self._channel is not None,
+            group_in_step=self._switcher.in_step,
+        )
+
     def _status(self, switch: Switch, problems: List[str]) -> PollStatus:
+        self._quiet = None  # the version or the group's state may have changed
         self._apply(switch, problems)
         if switch.problem is not None:
             problems.append(switch.problem)

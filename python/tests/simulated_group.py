@@ -6,7 +6,7 @@ and the group's reduction as a barrier.
 puts its values and waits for the others (so a rank that calls it out of step with the others
 breaks the barrier: a failure, not a hang), and gets back a function returning the minimum.
 The reduction is made when it starts; the switcher reads it later, as it reads a gloo
-reduction started at the boundary before."""
+reduction started at the (agreement) boundary before."""
 
 from __future__ import annotations
 

@@ -9,7 +9,11 @@ real memory."""
 
 from __future__ import annotations
 
+import inspect
+import statistics
+import sys
 import time
+import types
 
 import pytest
 from simulated_group import Group, run_ranks
@@ -17,7 +21,7 @@ from simulated_group import Group, run_ranks
 import stablebuf
 from stablebuf import _native, publish
 from stablebuf._manifest import VersionBook
-from stablebuf._switcher import VersionSwitcher
+from stablebuf._switcher import DEFAULT_AGREE_EVERY, VersionSwitcher
 
 
 class FakeSet:
@@ -92,14 +96,21 @@ class Calls:
 @pytest.fixture
 def make_engine(monkeypatch):
     """``make(...)`` assembles an engine (each with its own tag, region and recorder, so that
-    several can run side by side as the ranks of a group)."""
+    several can run side by side as the ranks of a group). ``agree_every`` is 1 unless given
+    (the engine's own default is ``DEFAULT_AGREE_EVERY``)."""
     regions: dict = {}
     monkeypatch.setattr(_native, "bind", lambda tag, ws: regions[tag].bind(tag, ws))
     monkeypatch.setattr(_native, "wake_onto", lambda tag, ws: regions[tag].wake_onto(tag, ws))
     monkeypatch.setattr(publish._sleep, "sleep", lambda tag, keep: regions[tag].log.append("sleep"))
     monkeypatch.setattr(publish._sleep, "wake", lambda tag: regions[tag].log.append("wake"))
 
-    def make(sets: int = 2, keep_previous: bool = False, start_min=None, tag: str = "weights"):
+    def make(
+        sets: int = 2,
+        keep_previous: bool = False,
+        start_min=None,
+        tag: str = "weights",
+        agree_every: int = 1,
+    ):
         home = FakeSet(100)
         calls = Calls(home)
         regions[tag] = calls
@@ -112,11 +123,15 @@ def make_engine(monkeypatch):
         engine._versions = VersionBook()
         engine._group = None if start_min is None else "a group"
         engine._switcher = VersionSwitcher(
-            lambda: calls.under, keep_previous=keep_previous, start_min=start_min
+            lambda: calls.under,
+            keep_previous=keep_previous,
+            start_min=start_min,
+            agree_every=agree_every,
         )
         engine._asleep = False
         engine._closed = False
         engine._unreported = []
+        engine._quiet = None
         return engine, engine._channel, calls, home
 
     return make
@@ -378,3 +393,212 @@ def test_a_failed_handshake_is_reported_once_and_changes_nothing(make_engine):
         "a trainer's handshake failed: PeerClosed: the peer closed the connection",
     )
     assert engine.poll().problems == (), "said once"
+
+
+# ------------------------------------------------------------------ agreeing every K boundaries
+
+
+class CountingChannel(FakeChannel):
+    """A fake channel that counts the engine's looks for a message."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.looks = 0
+
+    def message_waiting(self) -> bool:
+        self.looks += 1
+        return super().message_waiting()
+
+
+class CountingListener(NoListener):
+    def __init__(self) -> None:
+        self.accepts = 0
+
+    def accept(self):
+        self.accepts += 1
+
+
+def reduction_of_one_rank(rounds: list):
+    """``start_min`` for a group of one rank: records the values, answers them."""
+
+    def start_min(values):
+        rounds.append(list(values))
+        return lambda: list(values)
+
+    return start_min
+
+
+def test_the_engine_agrees_every_few_boundaries_by_default_and_refuses_misuse_first():
+    default = inspect.signature(publish.Engine).parameters["agree_every"].default
+    assert default == DEFAULT_AGREE_EVERY > 1
+    # Refused before anything is made (no torch, no region, no socket needed for that).
+    for wrong in (0, -3, 2.5):
+        with pytest.raises(ValueError, match="agree_every"):
+            publish.Engine("weights", "/nonexistent/engine.sock", {}, agree_every=wrong)
+
+
+def test_between_agreement_boundaries_poll_reads_nothing_and_starts_nothing(make_engine):
+    rounds: list = []
+    engine, _, calls, _ = make_engine(start_min=reduction_of_one_rank(rounds), agree_every=3)
+    channel = engine._channel = CountingChannel()
+    listener = engine._listener = CountingListener()
+    quiet = publish.PollStatus(version=0, trainer_connected=True)
+    assert engine.poll() == quiet  # boundary 0: an agreement boundary; offers start
+    assert (listener.accepts, channel.looks, len(rounds)) == (1, 1, 1)
+    channel.commit(1, 1)
+    first, second = engine.poll(), engine.poll()  # boundaries 1 and 2: nothing due
+    assert first == quiet and second is first, "a quiet boundary builds no new status"
+    assert (listener.accepts, channel.looks, len(rounds)) == (1, 1, 1), "a native call was made"
+    assert engine.ready_versions == [], "the commit waits in the socket until boundary 3"
+    assert engine.poll().bound is None  # 3: reads the commit, offers version 1
+    assert engine.ready_versions == [1] and (listener.accepts, len(rounds)) == (2, 2)
+    assert engine.poll() is engine.poll()  # 4, 5
+    done = engine.poll()  # 6: the offers of 3 agree: version 1 binds
+    assert done.bound == 1 and done.version == 1 and calls.log == [("bind", engine._sets[0])]
+    assert rounds == [[-1, 1, 0], [1, -1, 1], [2], [-1, 1, 1]]
+    after = engine.poll()  # 7: quiet again, on the new version
+    assert after == publish.PollStatus(version=1, trainer_connected=True)
+    assert engine.agree_every == 3
+
+
+def test_a_quiet_boundary_says_what_is_unreported_and_who_is_connected(make_engine):
+    rounds: list = []
+    engine, channel, _, _ = make_engine(start_min=reduction_of_one_rank(rounds), agree_every=4)
+    engine._channel = None
+    assert not engine.poll().trainer_connected  # 0: agreement boundary
+    engine._channel = channel  # as accept() between polls would
+    assert engine.poll().trainer_connected, "the quiet status kept a stale connection state"
+    engine._unreported.append("a trainer's handshake failed: injected")
+    said = engine.poll()  # 2: not an agreement boundary, but there is something to say
+    assert said.problems == ("a trainer's handshake failed: injected",) and len(rounds) == 1
+    assert engine.poll().problems == () and len(rounds) == 1  # 3
+    engine.poll()  # 4: agreement boundary (the boundary with a problem counted once)
+    assert len(rounds) == 2
+    channel.inbox.append("closed")
+    assert [engine.poll().trainer_connected for _ in range(3)] == [True] * 3  # 5, 6, 7
+    gone = engine.poll()  # 8: the trainer's departure is read at the agreement boundary
+    assert not gone.trainer_connected and "PeerClosed" in gone.problems[0]
+
+
+def test_with_agree_every_a_refusal_goes_back_to_every_ranks_trainer(make_engine):
+    ranks, every = 3, 4
+    group = Group(ranks)
+    engines = [
+        make_engine(
+            sets=3,
+            keep_previous=True,
+            start_min=group.start_min(r),
+            tag=f"every{r}",
+            agree_every=every,
+        )
+        for r in range(ranks)
+    ]
+
+    def body(rank: int):
+        engine, channel, calls, _ = engines[rank]
+        engine.poll()
+        channel.commit(1, 1)
+        calls.fail = rank == 1  # armed: fires at the first bind, at boundary 8
+        statuses = [engine.poll() for _ in range(8)]
+        handed_back = channel.released()
+        channel.commit(1, 2)
+        statuses += [engine.poll() for _ in range(8)]
+        return statuses, handed_back, engine.version
+
+    results = run_ranks(ranks, body, group)
+    for rank, (statuses, handed_back, version) in enumerate(results):
+        refused = [(i + 1, s.refused) for i, s in enumerate(statuses) if s.refused]
+        bound = [(i + 1, s.bound) for i, s in enumerate(statuses) if s.bound is not None]
+        assert refused == [(8, (1,))], f"rank {rank}: {refused}"
+        assert bound == [(16, 2)], f"rank {rank}: {bound}"
+        assert handed_back == [1], f"rank {rank} kept the refused set from its trainer"
+        assert version == 2 and all(s.group_in_step for s in statuses)
+    assert len(set(group.rounds)) == 1
+
+
+def test_torch_start_min_reuses_a_host_buffer_only_once_its_answer_is_read(monkeypatch):
+    """torch_start_min on a (fake) gloo group: each reduction in a CPU tensor over a buffer of
+    its own, used again only after its answer was read; the answer is the minimum."""
+    others = [3, -9, 2]  # the other rank's values
+
+    class Tensor:
+        def __init__(self, buffer, dtype) -> None:
+            assert dtype == "int64"
+            self.memory = memoryview(buffer)  # shares the buffer, as torch.frombuffer does
+
+    class Work:
+        def __init__(self, tensor) -> None:
+            self.tensor, self.done = tensor, False
+
+        def wait(self) -> None:  # the reduction lands when it is waited for, at the latest
+            if not self.done:
+                for i, v in enumerate(others[: len(self.tensor.memory)]):
+                    self.tensor.memory[i] = min(self.tensor.memory[i], v)
+                self.done = True
+
+    dist = types.ModuleType("torch.distributed")
+    dist.ReduceOp = types.SimpleNamespace(MIN="min")
+    dist.get_backend = lambda group: "gloo"
+    started: list = []
+
+    def all_reduce(tensor, op, group, async_op):
+        assert op == "min" and group == "the group" and async_op
+        started.append(tensor)
+        return Work(tensor)
+
+    dist.all_reduce = all_reduce
+    torch = types.ModuleType("torch")
+    torch.int64 = "int64"
+    torch.frombuffer = Tensor
+    torch.distributed = dist
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setitem(sys.modules, "torch.distributed", dist)
+    monkeypatch.setattr(publish, "cuda_torch", lambda: torch)
+
+    start_min = publish.torch_start_min("the group")
+    first = start_min([5, -5, 1])
+    second = start_min([7, -7, 4])  # the first is still in flight: another buffer
+    assert started[0] is not started[1]
+    assert first() == [3, -9, 1] and first() == [3, -9, 1]
+    third = start_min([1, -1, 9])  # the first's buffer, read: used again
+    assert started[2] is started[0]
+    assert second() == [3, -9, 2] and third() == [1, -9, 2]
+    one = start_min([2])  # another length: a buffer of its own
+    assert one() == [2] and started[3] is not started[0]
+    assert start_min([0]) is not None and started[4] is started[3]
+
+
+def test_poll_between_agreement_boundaries_is_cheap(make_engine, capsys):
+    """A micro-benchmark, not a timing contract: a group engine on a fake channel and a group
+    of one rank (no torch, no syscall), ``agree_every`` at the default and at 1, polled as a
+    serving loop does. Prints the cost per poll; asserts only a generous bound."""
+    polls = 40_000
+    lines, between_median = [], {}
+    for every in (DEFAULT_AGREE_EVERY, 1):
+        rounds: list = []
+        engine, _, _, _ = make_engine(
+            start_min=reduction_of_one_rank(rounds), agree_every=every, tag=f"bench{every}"
+        )
+        for _ in range(1000):  # warm up
+            engine.poll()
+        agreeing, between = [], []
+        clock, poll = time.perf_counter_ns, engine.poll
+        for _ in range(polls):
+            before = len(rounds)
+            start = clock()
+            poll()
+            spent = clock() - start
+            (agreeing if len(rounds) != before else between).append(spent / 1e3)
+        assert len(agreeing) == polls // every and len(between) == polls - polls // every
+        mean = statistics.fmean(agreeing + between)
+        line = (
+            f"poll, agree_every={every}: {mean:.2f} us a boundary on average; agreement "
+            f"boundaries median {statistics.median(agreeing):.2f} us"
+        )
+        if between:
+            between_median[every] = statistics.median(between)
+            line += f", the others median {between_median[every]:.2f} us"
+        lines.append(line + f" ({polls} polls, fake channel, a group of one rank, no torch)")
+    with capsys.disabled():
+        print("\n" + "\n".join(lines))
+    assert between_median[DEFAULT_AGREE_EVERY] < 200, lines

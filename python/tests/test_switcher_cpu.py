@@ -2,8 +2,9 @@
 back to the trainer, rollbacks, and, across simulated tensor-parallel ranks (threads with a
 barrier for the group's reduction: simulated_group.py), one version on every rank after every
 step boundary whatever the ranks receive, skip or fail, and every set back with its trainer
-unless the engine binds, keeps or holds it (a refused version's set on every rank). Pure
-Python: no torch, no GPU."""
+unless the engine binds, keeps or holds it (a refused version's set on every rank), whether
+the group agrees at every boundary or at every ``agree_every``-th. Pure Python: no torch, no
+GPU."""
 
 from __future__ import annotations
 
@@ -13,7 +14,13 @@ from typing import List, Optional
 import pytest
 from simulated_group import Group, run_ranks
 
-from stablebuf._switcher import NOTHING_NEW, Switch, SwitchFailed, VersionSwitcher
+from stablebuf._switcher import (
+    DEFAULT_AGREE_EVERY,
+    NOTHING_NEW,
+    Switch,
+    SwitchFailed,
+    VersionSwitcher,
+)
 
 
 class WeightSet:
@@ -156,13 +163,16 @@ class SimulatedRank:
     """One rank: its region, its switcher and its trainer (commits in order, each into a set
     the engine handed back), with the rules checked after every boundary."""
 
-    def __init__(self, rank: int, group: Group, spare_sets: int, keep_previous: bool) -> None:
+    def __init__(
+        self, rank: int, group: Group, spare_sets: int, keep_previous: bool, agree_every: int = 1
+    ) -> None:
         self.home = WeightSet(f"r{rank}-home")
         self.region = Region(self.home)
         self.switcher = VersionSwitcher(
             lambda: self.region.under,
             keep_previous=keep_previous,
             start_min=group.start_min(rank),
+            agree_every=agree_every,
         )
         self.spares = [WeightSet(f"r{rank}-s{i}") for i in range(spare_sets)]
         self.free = list(self.spares)  # the trainer's
@@ -207,17 +217,21 @@ class SimulatedRank:
         return (switcher.version, done.version, tuple(done.refused), refused_rollback)
 
 
+@pytest.mark.parametrize("agree_every", [1, 3])
 @pytest.mark.parametrize("ranks", [2, 3, 4])
 @pytest.mark.parametrize("keep_previous", [False, True])
 @pytest.mark.parametrize("seed", range(12))
-def test_every_rank_serves_the_same_version_after_every_step(ranks, keep_previous, seed):
-    steps, settle = 120, 240
+def test_every_rank_serves_the_same_version_after_every_step(
+    ranks, keep_previous, seed, agree_every
+):
+    # As many agreement boundaries whatever agree_every is (the boundaries between do nothing).
+    steps, settle = 120 * agree_every, 240 * agree_every
     per_rank, rollbacks = plan(seed * 31 + ranks, ranks, steps, versions=60)
     group = Group(ranks)
 
     def body(rank: int):
         commits, arrivals, failures = per_rank[rank]
-        me = SimulatedRank(rank, group, 2 + keep_previous, keep_previous)
+        me = SimulatedRank(rank, group, 2 + keep_previous, keep_previous, agree_every)
         queue = list(commits)
         log = []
         for step in range(steps):
@@ -251,9 +265,15 @@ def test_every_rank_serves_the_same_version_after_every_step(ranks, keep_previou
     for rank, (me, _, _) in enumerate(results):
         stuck = [v for v in me.switcher.ready if v <= settled or v in common]
         assert not stuck, f"rank {rank}: versions {stuck} still wait after the group settled"
-    # A boundary with nothing new costs one reduction, a switch two, a rollback two or three:
-    # the same count on every rank.
+    # An agreement boundary with nothing new costs one reduction, a switch two, a rollback two
+    # or three: the same count on every rank. The offers (three integers) start at every
+    # agree_every-th boundary, and again at each rollback (the count starts over there).
     assert len(set(group.rounds)) == 1
+    offers = sum(1 for values in group.values[0] if len(values) == 3)
+    rolled = sum(1 for step in range(steps) if rollbacks[step] and keep_previous)
+    boundaries = steps + settle
+    assert offers <= -(-boundaries // agree_every) + rolled, (offers, boundaries, rolled)
+    assert offers >= boundaries // agree_every, (offers, boundaries)
 
 
 def ranks_run(ranks: int, body, group: Optional[Group] = None) -> list:
@@ -441,3 +461,111 @@ def test_asleep_only_the_newest_commit_waits_and_the_rest_go_back():
     switcher.committed(c, 3)
     assert switcher.keep_newest() == [a, b]
     assert switcher.ready == {3: c} and region.binds == 0
+
+
+# ------------------------------------------------------------------ agreeing every K boundaries
+
+
+def test_the_default_agrees_every_few_boundaries_and_misuse_is_refused():
+    assert 1 < DEFAULT_AGREE_EVERY <= 16
+    for wrong in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="agree_every"):
+            VersionSwitcher(lambda: None, agree_every=wrong)
+
+
+def test_with_agree_every_a_version_binds_on_every_rank_at_the_same_agreement_boundary():
+    """agree_every=3: offers start at boundaries 0, 3, 6, ...; the boundaries between start
+    nothing and bind nothing. Version 1 arrives (on every rank) after boundary 0: offered at
+    boundary 3, read and bound at boundary 6, on every rank at that boundary."""
+    group = Group(2)
+
+    def body(rank: int) -> List[tuple]:
+        me = SimulatedRank(rank, group, 2, keep_previous=False, agree_every=3)
+        seen = [me.boundary()]
+        me.commit(1)
+        rounds = []
+        for _ in range(7):
+            seen.append(me.boundary())
+            rounds.append(group.rounds[rank])
+        return seen, rounds
+
+    (first, rounds0), (second, rounds1) = ranks_run(2, body, group)
+    assert first == second
+    assert [entry[1] for entry in first] == [None] * 6 + [1, None]
+    assert [entry[0] for entry in first] == [0] * 6 + [1, 1]
+    # Reductions started by boundaries 1..7: none between agreement boundaries.
+    assert rounds0 == rounds1 == [1, 1, 2, 2, 2, 4, 4]
+    assert group.values[0] == [[-1, 1, 0], [1, -1, 1], [2], [-1, 1, 1]]
+
+
+def test_pass_boundary_counts_only_a_groups_boundaries_between_agreements():
+    lone_switcher = VersionSwitcher(lambda: None, agree_every=4)
+    assert not lone_switcher.pass_boundary()  # alone: every step binds, nothing to pass
+    started = []
+
+    def alone(values):
+        started.append(list(values))
+        return lambda: list(values)
+
+    switcher = VersionSwitcher(lambda: None, start_min=alone, agree_every=4)
+    assert not switcher.pass_boundary()  # the first boundary is an agreement boundary
+    assert switcher.step(lambda s: None) == Switch() and len(started) == 1
+    passed = [switcher.pass_boundary() for _ in range(4)]
+    assert passed == [True, True, True, False] and len(started) == 1
+    switcher.step(lambda s: None)  # the agreement boundary pass_boundary() left to step
+    assert len(started) == 2
+    # step() counts a boundary between agreements itself, as pass_boundary() does.
+    assert [switcher.step(lambda s: None) for _ in range(3)] == [Switch()] * 3
+    assert len(started) == 2 and not switcher.pass_boundary()
+
+
+def test_with_agree_every_a_refused_version_goes_back_on_every_rank_at_the_same_boundary():
+    group = Group(3)
+
+    def body(rank: int):
+        me = SimulatedRank(rank, group, 2, keep_previous=False, agree_every=3)
+        me.boundary()
+        me.commit(1)
+        # Rank 1's binds fail from boundary 1 to 6; the only bind among them is at boundary 6.
+        seen = [me.boundary(fail=rank == 1) for _ in range(6)]
+        free_after = len(me.free)
+        me.commit(2)
+        seen += [me.boundary() for _ in range(6)]
+        return seen, free_after, me
+
+    results = ranks_run(3, body, group)
+    logs = [seen for seen, _, _ in results]
+    assert logs[0] == logs[1] == logs[2]
+    assert [entry[2] for entry in logs[0]][:6] == [()] * 5 + [(1,)]
+    assert [entry[1] for entry in logs[0]][6:] == [None] * 5 + [2]
+    for rank, (_, free_after, me) in enumerate(results):
+        assert free_after == 2, f"rank {rank}: the refused set did not come back"
+        assert me.switcher.version == 2 and me.version_of[id(me.region.under)] == 2
+        assert me.region.binds == (1 if rank == 1 else 3)
+
+
+def test_a_rollback_between_agreement_boundaries_is_one_and_the_count_starts_over():
+    group = Group(2)
+
+    def body(rank: int):
+        me = SimulatedRank(rank, group, 3, keep_previous=True, agree_every=4)
+        me.boundary()  # boundary 0: offers start
+        me.commit(1)
+        seen = [me.boundary() for _ in range(8)]  # version 1 offered at 4, bound at 8
+        me.commit(2)
+        seen += [me.boundary() for _ in range(6)]  # 9..14: offered at 12
+        rounds = group.rounds[rank]
+        seen.append(me.boundary(rollback=True))  # 15: between agreement boundaries
+        after = group.rounds[rank] - rounds
+        # The count starts over at 15: the offers it started (version 2) are read at 19.
+        seen += [me.boundary() for _ in range(4)]
+        return seen, after, me
+
+    (seen0, after0, r0), (seen1, after1, r1) = ranks_run(2, body, group)
+    assert seen0 == seen1
+    bound = [(i + 1, entry[1]) for i, entry in enumerate(seen0) if entry[1] is not None]
+    assert bound == [(8, 1), (15, 0), (19, 2)], bound
+    # The rollback read the offers pending (started at 12, version 2's: set aside), agreed (one
+    # integer), bound and agreed again, and started new offers: three reductions on each rank.
+    assert after0 == after1 == 3
+    assert r0.switcher.version == r1.switcher.version == 2

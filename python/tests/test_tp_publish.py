@@ -6,6 +6,8 @@ and with a GPU per rank (skipped, with the reason, where fewer GPUs are visible)
 
 Each case runs the race seeds in ``STABLEBUF_TP_RACE_SEEDS`` (comma-separated, to repeat a
 run) or else 3 fresh ones; they are in the test's id, and the ranks print each as it starts.
+The engines agree every ``STABLEBUF_TP_AGREE_EVERY`` boundaries (default: the engine's
+default, ``DEFAULT_AGREE_EVERY``; 1 agrees at every boundary).
 A case that does not finish in ``TP_PUBLISH_TIMEOUT`` seconds (600 by default) is killed with
 all its processes and fails.
 """
@@ -23,10 +25,12 @@ import tempfile
 import pytest
 
 import stablebuf
+from stablebuf._switcher import DEFAULT_AGREE_EVERY
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RANK = os.path.join(HERE, "tp_publish_rank.py")
 TIMEOUT_S = int(os.environ.get("TP_PUBLISH_TIMEOUT", "600"))
+AGREE_EVERY = int(os.environ.get("STABLEBUF_TP_AGREE_EVERY", "") or DEFAULT_AGREE_EVERY)
 
 
 def _race_seeds() -> list:
@@ -38,7 +42,7 @@ def _race_seeds() -> list:
 
 
 RACE_SEEDS = _race_seeds()
-SEEDS_ID = "race-seeds-" + "-".join(map(str, RACE_SEEDS))
+SEEDS_ID = f"agree-every-{AGREE_EVERY}-race-seeds-" + "-".join(map(str, RACE_SEEDS))
 
 
 def _gpu_count() -> int:
@@ -81,8 +85,12 @@ def test_tensor_parallel_engines_switch_on_every_rank_or_on_none(ranks, placemen
         folder,
         placement,
         seeds,
+        str(AGREE_EVERY),
     ]
-    print(f"race seeds {seeds} (STABLEBUF_TP_RACE_SEEDS={seeds} repeats them)")
+    print(
+        f"race seeds {seeds} (STABLEBUF_TP_RACE_SEEDS={seeds} repeats them), "
+        f"agree_every={AGREE_EVERY}"
+    )
     process = subprocess.Popen(
         command,
         env=env,

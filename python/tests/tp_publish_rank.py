@@ -2,12 +2,13 @@
 ``tp_publish_rank.py trainer PATH DEVICE SEED,SEED,...``, the trainer process of one rank.
 
     python -m torch.distributed.run --nproc-per-node N --standalone tp_publish_rank.py \\
-        FOLDER PLACEMENT RACE_SEED[,RACE_SEED...]
+        FOLDER PLACEMENT RACE_SEED[,RACE_SEED...] [AGREE_EVERY]
 
 PLACEMENT: ``one-gpu`` (every rank on GPU 0 of those visible) or ``gpu-per-rank`` (rank r on
 GPU r). The race seeds are run one after the other, each printed as it starts; a race seed
 fixes everything but the timing: the weights of each version, the steps that roll back, the
-steps and ranks of the injected bind failures, and each rank's trainer pace.
+steps and ranks of the injected bind failures, and each rank's trainer pace. AGREE_EVERY: the
+engines' ``agree_every`` (default: the engine's default).
 
 Per race, every rank builds the model (publish_peer.py's) in a region on its GPU and an
 ``Engine(sets=3, keep_previous=True, group=...)`` over a gloo group of its own, and starts
@@ -41,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 import stablebuf
+from stablebuf._switcher import DEFAULT_AGREE_EVERY
 from stablebuf.publish import Engine, PollStatus, Trainer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -120,7 +122,9 @@ class BindFailures:
 class Race:
     """One race seed on this rank (see the module's docstring)."""
 
-    def __init__(self, race_seed: int, index: int, device: int, control, folder: str) -> None:
+    def __init__(
+        self, race_seed: int, index: int, device: int, control, folder: str, agree_every: int
+    ) -> None:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.race_seed = race_seed
         plan = random.Random(race_seed)  # the same plan on every rank
@@ -137,7 +141,15 @@ class Race:
         tag = f"tp-publish-{index}-{self.rank}"
         tensors = peer.build_model(tag, device, seed=0)
         self.path = os.path.join(folder, f"engine-{index}-{self.rank}.sock")
-        self.engine = Engine(tag, self.path, tensors, sets=3, keep_previous=True, group=control)
+        self.engine = Engine(
+            tag,
+            self.path,
+            tensors,
+            sets=3,
+            keep_previous=True,
+            group=control,
+            agree_every=agree_every,
+        )
         self.served = peer.Served(tag, tensors, device)
         self.failures = BindFailures(self.engine)
         self.log_path = os.path.join(folder, f"trainer-{index}-{self.rank}.log")
@@ -335,6 +347,7 @@ def main(argv) -> int:
         return trainer_main(argv[2], int(argv[3]), [int(s) for s in argv[4].split(",")])
     folder, placement = argv[1], argv[2]
     race_seeds = [int(s) for s in argv[3].split(",")]
+    agree_every = int(argv[4]) if len(argv) > 4 else DEFAULT_AGREE_EVERY
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     rank, world = dist.get_rank(), dist.get_world_size()
     if placement == "one-gpu":
@@ -350,8 +363,11 @@ def main(argv) -> int:
     control = dist.new_group(backend="gloo")
     for index, race_seed in enumerate(race_seeds):
         if rank == 0:
-            say(f"race seed {race_seed}: {world} ranks, {placement} (GPU of rank 0: {device})")
-        say(Race(race_seed, index, device, control, folder).run())
+            say(
+                f"race seed {race_seed}: {world} ranks, {placement} (GPU of rank 0: {device}), "
+                f"agree_every={agree_every}"
+            )
+        say(Race(race_seed, index, device, control, folder, agree_every).run())
         dist.barrier()
     dist.destroy_process_group()
     return 0
