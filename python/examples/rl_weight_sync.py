@@ -1,33 +1,50 @@
 """RL weight sync: a trainer process hands new weights to a serving engine every iteration.
 
-Llama-shaped bf16 parameters (``--gib`` of them, default 1; ``--gib 8`` for an 8B-class set),
-an engine process (this one) that serves with ONE captured CUDA graph over its parameters, and
-a trainer process (spawned) that produces version after version. Three ways to move the weights,
-side by side in one run:
+Llama-shaped bf16 parameters (``--gib`` of them, default 1; ``--gib 8`` for an 8B-class set;
+``--gib 1,8`` runs each size in its own process and checks that the switch does not grow with
+size), an engine process (this one) that serves continuously with captured CUDA graphs over its
+parameters, and a trainer process (spawned) that produces version after version, on the
+engine's GPU or on another one (``--trainer-device`` / ``--engine-device``). Ways to move the
+weights, side by side in one run:
 
-- ``ipc-copy``: the trainer shares every parameter once as a CUDA IPC handle
-  (``torch.multiprocessing.reductions.reduce_tensor``); per version the engine ``copy_``s each
-  tensor into its parameters (what verl / OpenRLHF / vLLM ``update_weights`` do today);
-- ``ipc-buckets``: the trainer flattens its parameters into 512 MiB buckets shared once over
-  IPC; per version it fills them and the engine copies out of them;
-- ``stablebuf``: ``stablebuf.publish``: the trainer writes straight into the engine's spare
-  weight set (exported once), commits; the engine binds it at its next step (one remap).
+- ``ipc-copy`` (pause-and-copy, as verl / OpenRLHF / vLLM ``update_weights`` do today): the
+  trainer shares every parameter once as a CUDA IPC handle; per version the engine pauses,
+  ``copy_``s each tensor into its live parameters and resumes;
+- ``ipc-buckets`` (pause-and-copy through buckets, as checkpoint-engine and NeMo-RL's refit
+  do): the trainer flattens its parameters into 512 MiB buckets shared once over IPC; per
+  version it fills them, and the engine pauses, copies out of them and resumes;
+- ``stablebuf``: ``stablebuf.publish.Engine``: the trainer writes straight into the engine's
+  spare weight set, commits; the engine binds it at its next step boundary (one remap);
+- ``pipelined``: ``stablebuf.PipelinedEngine``: two regions with a graph each; the
+  trainer writes into the idle region's set, commits; the engine's next step replays the idle
+  region's graph (no remap at all).
 
-Per method: the trainer's write time, the publish latency (trainer done → the engine's first
-replay on the new weights has finished), the engine's step time while the weights move vs
-undisturbed, and the extra device memory. Every engine output after a publish is checked against
-the trainer's eager forward over the same weights (outputs poisoned first); exit status 1 if any
-is wrong. Targets, printed as verdict lines (reported, not enforced): stablebuf publish latency
-≤ 1 ms; engine step while the trainer writes ≤ 1.1× undisturbed.
+The trainer's writes for ``stablebuf`` and ``pipelined`` run once per ``--share`` value
+(1: as fast as it goes; below 1: chunks of ``--chunk-mib`` with pauses, so writing takes about
+that share of the wall time).
 
-Run: ``python python/examples/rl_weight_sync.py [--gib 8] [--versions 5]`` (``--help``).
+Printed: per method, the trainer's write time, the engine's time lost per publish (over the
+window from the step in flight when the write began to the end of the first step on the new
+weights: the window less one undisturbed step period per step completed in it) and its longest
+step; for the two stablebuf methods the switch by its parts (median and p99 over ``--versions``
+publishes): the wait for the step in flight, message, poll, fence, remap, launch, commit → first
+launch and commit → end of that step; the share trade-off table; the peer-copy floor on two GPUs;
+the device memory. Every engine output after a publish is checked against the trainer's eager
+forward over the same weights (outputs poisoned first). Verdict lines (``rl_weight_sync:
+verdict: ... PASS|MISS|SKIP``) for each target of issue 41; exit status 1 only if an output is
+wrong.
+
+Run: ``python python/examples/rl_weight_sync.py [--gib 1,8] [--versions 20] [--share 1,0.5,0.2]
+[--trainer-device 0 --engine-device 1]`` (``--help``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
-import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -36,26 +53,54 @@ import torch
 import torch.multiprocessing as mp
 
 import stablebuf
+from stablebuf._pipelined import PARTS, PipelinedEngine, PipelinedTrainer
+from stablebuf._share import summarize, time_lost, undisturbed_period
 
 GiB = 1 << 30
 MiB = 1 << 20
 BUCKET = 512 * MiB
 TAG = "rl-weights"
+TAGS_PIPELINED = ("rl-weights-a", "rl-weights-b")
+PAUSE_METHODS = ("ipc-copy", "ipc-buckets")
+PUBLISH_METHODS = ("stablebuf", "pipelined")
+PREFIX = "rl_weight_sync:"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--gib", type=float, default=1.0, help="GiB of bf16 parameters (1 or 8)")
+    parser.add_argument(
+        "--gib", default="1", help="GiB of bf16 parameters; a comma list runs each size apart"
+    )
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--intermediate", type=int, default=5632)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--versions", type=int, default=5, help="versions published per method")
-    parser.add_argument("--quiet-steps", type=int, default=30, help="undisturbed steps per version")
+    parser.add_argument("--versions", type=int, default=20, help="versions published per run")
+    parser.add_argument("--quiet-steps", type=int, default=20, help="undisturbed steps per version")
     parser.add_argument(
-        "--methods", default="ipc-copy,ipc-buckets,stablebuf", help="comma-separated subset"
+        "--methods",
+        default="ipc-copy,ipc-buckets,stablebuf,pipelined",
+        help="comma-separated subset of ipc-copy,ipc-buckets,stablebuf,pipelined",
     )
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--share",
+        default="1",
+        help="comma list of the trainer's bandwidth share for stablebuf and pipelined (1 = off)",
+    )
+    parser.add_argument("--chunk-mib", type=float, default=64.0, help="chunk of a shared write")
+    parser.add_argument("--trainer-device", type=int, default=0)
+    parser.add_argument("--engine-device", type=int, default=0)
+    parser.add_argument("--peer-mib", type=int, default=1024, help="bytes of the peer-copy probe")
+    parser.add_argument("--json", default=None, help="write the results here (JSON)")
+    args = parser.parse_args(argv)
+    args.shares = [float(v) for v in args.share.split(",")]
+    args.method_list = [m for m in args.methods.split(",") if m]
+    for m in args.method_list:
+        if m not in PAUSE_METHODS + PUBLISH_METHODS:
+            parser.error(f"unknown method {m}")
+    if any(not 0.0 < v <= 1.0 for v in args.shares):
+        parser.error("--share values must be in (0, 1]")
+    return args
 
 
 def llama_shapes(args) -> dict:
@@ -63,7 +108,7 @@ def llama_shapes(args) -> dict:
     h, i, v = args.hidden, args.intermediate, args.vocab
     per_layer = 4 * h * h + 3 * h * i + 2 * h
     fixed = 2 * v * h + h
-    layers = max(1, round((args.gib * GiB / 2 - fixed) / per_layer))
+    layers = max(1, round((float(args.gib) * GiB / 2 - fixed) / per_layer))
     shapes = {"model.embed_tokens.weight": (v, h)}
     for n in range(layers):
         p = f"model.layers.{n}."
@@ -79,12 +124,12 @@ def llama_shapes(args) -> dict:
     return shapes
 
 
-def probes(args, device="cuda"):
-    """Fixed random inputs, one per input width (the same in both processes)."""
-    g = torch.Generator(device=device).manual_seed(1234)
+def probes(args, device):
+    """Fixed random inputs, one per input width (the same in both processes: made on the CPU)."""
+    g = torch.Generator().manual_seed(1234)
     widths = {args.hidden, args.intermediate}
     return {
-        w: torch.randn(args.batch, w, device=device, dtype=torch.bfloat16, generator=g)
+        w: torch.randn(args.batch, w, generator=g).to(device=device, dtype=torch.bfloat16)
         for w in sorted(widths)
     }
 
@@ -100,11 +145,31 @@ def forward(params: dict, x: dict) -> torch.Tensor:
     return torch.stack(outs)
 
 
-def fill_version(params: dict, version: int) -> None:
+def fill_version(params: dict, version: int, device) -> None:
     """The trainer's weights of ``version``: fresh random values (never zeros)."""
-    g = torch.Generator(device="cuda").manual_seed(1000 + version)
+    g = torch.Generator(device=device).manual_seed(1000 + version)
     for w in params.values():
         w.normal_(0.0, 0.02, generator=g)
+
+
+def peer_copy_gbps(src_device: int, dst_device: int, nbytes: int) -> float:
+    """GB/s of a plain ``copy_`` from ``src_device`` to ``dst_device`` (best of 5)."""
+    n = max(1, nbytes // 2)
+    src = torch.empty(n, dtype=torch.bfloat16, device=f"cuda:{src_device}").normal_()
+    dst = torch.empty(n, dtype=torch.bfloat16, device=f"cuda:{dst_device}")
+    dst.copy_(src)
+    best = math.inf
+    for _ in range(5):
+        torch.cuda.synchronize(src_device)
+        torch.cuda.synchronize(dst_device)
+        start = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize(src_device)
+        torch.cuda.synchronize(dst_device)
+        best = min(best, time.perf_counter() - start)
+    del src, dst
+    torch.cuda.empty_cache()
+    return n * 2 / best / 1e9
 
 
 # ---------------------------------------------------------------------------- trainer process
@@ -113,34 +178,46 @@ def fill_version(params: dict, version: int) -> None:
 def trainer_main(method: str, args: argparse.Namespace, conn, path: str) -> None:
     from torch.multiprocessing.reductions import reduce_tensor
 
-    torch.cuda.set_device(0)
+    tdev, edev = args.trainer_device, args.engine_device
+    torch.cuda.set_device(tdev)
+    dev = f"cuda:{tdev}"
     shapes = llama_shapes(args)
-    params = {n: torch.empty(s, device="cuda", dtype=torch.bfloat16) for n, s in shapes.items()}
-    x = probes(args)
+    params = {n: torch.empty(s, device=dev, dtype=torch.bfloat16) for n, s in shapes.items()}
+    x = probes(args, dev)
+    floor = peer_copy_gbps(tdev, edev, args.peer_mib * MiB)
     trainer = None
     buckets, where = [], {}
+    setup = {"kind": method, "peer_gbps": floor}
     if method == "ipc-copy":
-        conn.send(("handles", {n: reduce_tensor(t) for n, t in params.items()}))
+        setup["handles"] = {n: reduce_tensor(t) for n, t in params.items()}
     elif method == "ipc-buckets":
         used = BUCKET
         for n, t in params.items():
             if used + t.numel() * 2 > BUCKET:
-                buckets.append(torch.empty(BUCKET // 2, device="cuda", dtype=torch.bfloat16))
+                buckets.append(torch.empty(BUCKET // 2, device=dev, dtype=torch.bfloat16))
                 used = 0
             where[n] = (len(buckets) - 1, used // 2, t.numel())
             used += (t.numel() * 2 + 255) // 256 * 256
-        conn.send(("buckets", [reduce_tensor(b) for b in buckets], where))
+        setup["buckets"] = [reduce_tensor(b) for b in buckets]
+        setup["where"] = where
     else:
         expect = {n: (s, torch.bfloat16) for n, s in shapes.items()}
-        trainer = stablebuf.publish.Trainer.connect(path, expect=expect, timeout=120)
-        conn.send(("connected",))
+        kwargs = dict(expect=expect, timeout=120, device=edev)
+        if edev != tdev:
+            kwargs["access"] = [edev, tdev]
+        if method == "pipelined":
+            trainer = PipelinedTrainer.connect(path, **kwargs)
+        else:
+            trainer = stablebuf.publish.Trainer.connect(path, **kwargs)
+    conn.send(setup)
     torch.cuda.synchronize()
+    chunk = int(args.chunk_mib * MiB)
     while True:
         message = conn.recv()
         if message[0] == "stop":
             break
-        version = message[1]
-        fill_version(params, version)  # "training": not part of the publish
+        _, version, share = message
+        fill_version(params, version, dev)  # "training": not part of the publish
         reference = forward(params, x).cpu()
         torch.cuda.synchronize()
         write_start = time.monotonic()
@@ -149,12 +226,14 @@ def trainer_main(method: str, args: argparse.Namespace, conn, path: str) -> None
                 b, offset, numel = where[n]
                 buckets[b][offset : offset + numel].copy_(t.view(-1), non_blocking=True)
             torch.cuda.synchronize()
-        elif method == "stablebuf":
-            trainer.publish(params, version=version)  # copy, synchronise, commit
+        elif method in PUBLISH_METHODS:
+            # copy (in chunks below share 1), synchronise, commit
+            trainer.publish(params, version=version, share=share, chunk_bytes=chunk)
         else:
             torch.cuda.synchronize()  # the handles already point at the new values
         done = time.monotonic()
-        conn.send(("done", version, write_start, done, reference))
+        commit_at_ns = trainer.last_commit_at_ns if trainer is not None else time.monotonic_ns()
+        conn.send(("done", version, write_start, done, commit_at_ns, reference))
     if trainer is not None:
         trainer.close()
 
@@ -163,8 +242,10 @@ def trainer_main(method: str, args: argparse.Namespace, conn, path: str) -> None
 
 
 class Served:
-    def __init__(self, params: dict, x: dict) -> None:
-        self.graph = stablebuf.CUDAGraph(tags=[TAG])
+    """One graph over ``params`` (in region ``tag``), its output poisoned before each replay."""
+
+    def __init__(self, params: dict, x: dict, tag: str) -> None:
+        self.graph = stablebuf.CUDAGraph(tags=[tag])
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -173,17 +254,40 @@ class Served:
         torch.cuda.current_stream().wait_stream(side)
         with torch.cuda.graph(self.graph):
             self.out = forward(params, x)
-
-    def step(self):
-        """One replay, waited for: (start, end) monotonic times."""
-        start = time.monotonic()
-        self.out.fill_(float("nan"))
-        self.graph.replay()
-        torch.cuda.current_stream().synchronize()
-        return start, time.monotonic()
+        # The warm-up read the weights eagerly: a "last-use" region must wait for it.
+        stablebuf.note_use([tag])
 
 
-def run_method(method, args, params, served, ctx) -> dict:
+def timed_step(out, replay):
+    """Poison ``out``, launch ``replay()``, wait: (start, end, launch ns, launched_at ns)."""
+    start = time.monotonic()
+    out.fill_(float("nan"))
+    t0 = time.perf_counter_ns()
+    replay()
+    launch_ns = time.perf_counter_ns() - t0
+    launched_at = time.monotonic_ns()
+    torch.cuda.current_stream().synchronize()
+    return start, time.monotonic(), launch_ns, launched_at
+
+
+class Pair:
+    """The two copies of the model for ``pipelined``, each in its region (fence last-use)."""
+
+    def __init__(self, shapes: dict, x: dict, device) -> None:
+        self.params, self.served = [], []
+        for tag in TAGS_PIPELINED:
+            with stablebuf.region(tag, fence="last-use"):
+                params = {
+                    n: torch.empty(s, device=device, dtype=torch.bfloat16)
+                    for n, s in shapes.items()
+                }
+            fill_version(params, 0, device)
+            stablebuf.note_use([tag])
+            self.params.append(params)
+            self.served.append(Served(params, x, tag))
+
+
+def run_method(method, share, args, params, served, pair, ctx) -> dict:
     conn, child_conn = ctx.Pipe()
     path = os.path.join(tempfile.mkdtemp(prefix="rl-sync-"), "engine.sock")
     engine = None
@@ -193,29 +297,57 @@ def run_method(method, args, params, served, ctx) -> dict:
     sources, where = {}, {}
     if method == "stablebuf":
         engine = stablebuf.publish.Engine(TAG, path, params)
-        if not engine.accept(timeout=120):
-            raise RuntimeError("the trainer did not connect")
+    elif method == "pipelined":
+        engine = PipelinedEngine(TAGS_PIPELINED, path, pair.params, lambda i: pair.served[i].graph)
+    if engine is not None and not engine.accept(timeout=300):
+        raise RuntimeError("the trainer did not connect")
     setup = conn.recv()
-    if setup[0] == "handles":
-        sources = {n: fn(*a) for n, (fn, a) in setup[1].items()}
-    elif setup[0] == "buckets":
-        sources = [fn(*a) for fn, a in setup[1]]
-        where = setup[2]
+    if "handles" in setup:
+        sources = {n: fn(*a) for n, (fn, a) in setup["handles"].items()}
+    elif "buckets" in setup:
+        sources = [fn(*a) for fn, a in setup["buckets"]]
+        where = setup["where"]
     torch.cuda.synchronize()
-    quiet, moving, latencies, writes, wrong = [], [], [], [], 0
+
+    def step():
+        if method == "pipelined":
+            return timed_step(pair.served[engine.current].out, engine.step)
+        return timed_step(served.out, served.graph.replay)
+
+    def output():
+        return (pair.served[engine.current] if method == "pipelined" else served).out
+
+    def boundary():
+        if engine is None:
+            return None
+        status = engine.poll()
+        if status.problems:
+            print(f"{PREFIX} {method}: engine: {'; '.join(status.problems)}")
+        return status
+
+    quiet_steps, periods, rows, wrong = [], [], [], 0
     extra_memory = 0
+    last_end = None
     for version in range(1, args.versions + 1):
+        ends = []
         for _ in range(args.quiet_steps):
-            s, e = served.step()
-            quiet.append(e - s)
-        conn.send(("write", version))
-        steps, done, first_output = [], None, None
-        bound_at = None
-        while first_output is None or done is None:
+            status = boundary()
+            if status is not None and status.bound is not None:
+                raise RuntimeError(f"{method}: bound {status.bound} unasked")
+            s, e, _, _ = step()
+            quiet_steps.append(e - s)
+            ends.append(e)
+        period = undisturbed_period(ends)
+        if period is not None:
+            periods.append(period)
+        last_end = ends[-1] if ends else last_end
+        conn.send(("write", version, share))
+        steps, done, first, row = [], None, None, {}
+        while first is None or done is None:
             if done is None and conn.poll():
                 done = conn.recv()
-                if method != "stablebuf":
-                    update_start = time.monotonic()
+                if method in PAUSE_METHODS:
+                    pause_start = time.monotonic()  # the engine stops serving: pause, copy
                     if method == "ipc-copy":
                         for n, p in params.items():
                             p.copy_(sources[n], non_blocking=True)
@@ -223,32 +355,69 @@ def run_method(method, args, params, served, ctx) -> dict:
                         for n, p in params.items():
                             b, offset, numel = where[n]
                             p.view(-1).copy_(sources[b][offset : offset + numel], non_blocking=True)
-                    s, e = served.step()  # the first replay on the new weights
-                    steps.append((update_start, e))
-                    first_output, bound_at = served.out.clone(), e
+                    s, e, launch_ns, launched_at = step()  # resume: the first step on new weights
+                    steps.append((pause_start, e))
+                    first = output().clone()
+                    row = {"first_end": e, "pause": s - pause_start, "launched_at": launched_at}
+                    last_end = e
                     continue
-            status = engine.poll() if method == "stablebuf" and first_output is None else None
-            if status is not None and version in status.refused:
-                raise RuntimeError(f"version {version} was refused: {status.problems}")
-            if status is not None and status.bound == version:
-                s, e = served.step()
-                steps.append((s, e))
-                first_output, bound_at = served.out.clone(), e
-                continue
-            steps.append(served.step())
-        _, _, write_start, trainer_done, reference = done
-        writes.append(trainer_done - write_start)
-        latencies.append(bound_at - trainer_done)
-        # Steps that overlapped the trainer's write, or the engine's own update step.
-        overlapped = [e - s for s, e in steps if e >= write_start and s <= trainer_done]
-        moving.extend(overlapped or [max(e - s for s, e in steps)])
+            if engine is not None and first is None:
+                poll_at = time.monotonic_ns()
+                t0 = time.perf_counter_ns()
+                status = boundary()
+                poll_ns = time.perf_counter_ns() - t0
+                if version in status.refused:
+                    raise RuntimeError(f"version {version} was refused: {status.problems}")
+                if status.bound is not None and status.bound != version:
+                    raise RuntimeError(f"{method}: bound {status.bound}, expected {version}")
+                if status.bound == version:
+                    prev_end = last_end
+                    s, e, launch_ns, launched_at = step()
+                    steps.append((s, e))
+                    first = output().clone()
+                    last_end = e
+                    row = {
+                        "first_end": e,
+                        "poll_at": poll_at,
+                        "prev_end": prev_end,
+                        "launched_at": launched_at,
+                    }
+                    if method == "pipelined":
+                        parts = engine.switches[-1]
+                        row.update({p: parts[p] / 1e6 for p in PARTS})
+                        row["launched_at"] = parts["launched_at"]
+                        row["poll_at"] = parts["poll_at"]
+                    else:  # Engine: the poll holds message, fence and remap together
+                        row.update(
+                            {"message": math.nan, "poll": poll_ns / 1e6, "fence": math.nan,
+                             "remap": math.nan, "launch": launch_ns / 1e6}
+                        )
+                    continue
+            s, e, _, _ = step()
+            steps.append((s, e))
+            last_end = e
+        _, _, write_start, trainer_done, commit_at_ns, reference = done
+        row["write"] = trainer_done - write_start
+        commit_at = commit_at_ns / 1e9
+        if method in PUBLISH_METHODS:
+            poll_at = row["poll_at"] / 1e9
+            launched = row["launched_at"] / 1e9
+            start = max(commit_at, poll_at)
+            row["in_flight"] = max(0.0, poll_at - commit_at) * 1e3
+            row["to_launch"] = (launched - start) * 1e3
+            row["to_launch_total"] = (launched - commit_at) * 1e3
+            row["to_end"] = (row["first_end"] - commit_at) * 1e3
+        else:
+            row["to_end"] = (row["first_end"] - commit_at) * 1e3
+        row.update(time_lost(steps, write_start, row["first_end"], periods[-1] if periods else 0.0))
+        rows.append(row)
         try:
             # Sums of ~2k bf16 products: a stale or wrong set is off by tens; bf16 rounding
             # (should cuBLAS pick another algorithm than the trainer's eager run) by < 0.5.
-            torch.testing.assert_close(first_output.cpu(), reference, rtol=2e-2, atol=0.5)
+            torch.testing.assert_close(first.cpu(), reference, rtol=2e-2, atol=0.5)
         except AssertionError as error:
             wrong += 1
-            print(f"{method}: version {version}: WRONG output: {error}")
+            print(f"{PREFIX} {method}: version {version}: WRONG output: {error}")
         extra_memory = max(extra_memory, free_before - torch.cuda.mem_get_info()[0])
     # Let go of the trainer's IPC memory before it exits (torch counts the references).
     sources = where = None
@@ -258,65 +427,233 @@ def run_method(method, args, params, served, ctx) -> dict:
     proc.join(timeout=120)
     if engine is not None:
         engine.close()
-    return {
+
+    def ms(key):
+        return summarize([r[key] * 1e3 for r in rows])
+
+    def plain(key):
+        return summarize([r[key] for r in rows if key in r and not math.isnan(r[key])])
+
+    quiet = summarize(quiet_steps)["median"]
+    result = {
         "method": method,
-        "write_ms": statistics.median(writes) * 1e3,
-        "latency_ms": statistics.median(latencies) * 1e3,
-        "latency_max_ms": max(latencies) * 1e3,
-        "quiet_ms": statistics.median(quiet) * 1e3,
-        "moving_ms": statistics.median(moving) * 1e3,
+        "share": share,
+        "write_ms": ms("write"),
+        "lost_ms": ms("lost"),
+        "longest_ms": ms("longest"),
+        "to_end_ms": plain("to_end"),
+        "quiet_ms": quiet * 1e3,
+        "period_ms": summarize(periods)["median"] * 1e3,
         "extra_gib": extra_memory / GiB,
+        "peer_gbps": setup["peer_gbps"],
         "wrong": wrong,
     }
+    if method in PUBLISH_METHODS:
+        for key in ("in_flight", "to_launch", "to_launch_total") + PARTS:
+            result[f"{key}_ms"] = plain(key)
+    else:
+        result["pause_ms"] = ms("pause")
+    return result
+
+
+# ---------------------------------------------------------------------------- report
+
+
+def fmt(summary, key="median"):
+    value = summary.get(key, math.nan) if summary else math.nan
+    return "      -" if value is None or (isinstance(value, float) and math.isnan(value)) else (
+        f"{value:7.3f}"
+    )
+
+
+def verdict(what: str, ok, detail: str) -> None:
+    word = "SKIP" if ok is None else ("PASS" if ok else "MISS")
+    print(f"{PREFIX} verdict: {what}: {detail}: {word}")
+
+
+def report(results, args, nbytes) -> None:
+    two_gpus = args.trainer_device != args.engine_device
+    print(f"{PREFIX} engine time per publish (window: the step in flight when the write began "
+          "→ the end of the first step on the new weights)")
+    print(f"{PREFIX}   {'method':12s} {'share':>5s} | {'write ms':>8s} | {'lost ms':>8s} "
+          f"{'p99':>8s} | {'longest ms':>10s} {'x max':>6s} | {'commit->end ms':>14s} | "
+          f"{'+GiB':>5s} | wrong")
+    for r in results:
+        ratio = r["longest_ms"]["max"] / r["quiet_ms"]
+        print(
+            f"{PREFIX}   {r['method']:12s} {r['share']:5.2f} | {fmt(r['write_ms']):>8s} | "
+            f"{fmt(r['lost_ms']):>8s} {fmt(r['lost_ms'], 'p99'):>8s} | "
+            f"{fmt(r['longest_ms']):>10s} {ratio:6.2f} | {fmt(r['to_end_ms']):>14s} | "
+            f"{r['extra_gib']:5.2f} | {r['wrong']}"
+        )
+    print(f"{PREFIX}   undisturbed: step {results[0]['quiet_ms']:.3f} ms, period (step + loop) "
+          f"{results[0]['period_ms']:.3f} ms; +GiB: device memory of the engine's GPU over the "
+          "run's start (the trainer's included when it shares the GPU)")
+    publish = [r for r in results if r["method"] in PUBLISH_METHODS]
+    if publish:
+        print(f"{PREFIX} the switch by its parts, ms, median / p99 over {args.versions} publishes "
+              "(stablebuf: message, fence and remap are inside its poll)")
+        keys = [("in_flight", "wait for the step in flight")] + [(p, p) for p in PARTS] + [
+            ("to_launch", "commit -> first launch (after the step in flight)"),
+            ("to_launch_total", "commit -> first launch (with the wait)"),
+            ("to_end", "commit -> end of that step"),
+        ]
+        header = " | ".join(f"{r['method']}@{r['share']:.2f}".rjust(17) for r in publish)
+        print(f"{PREFIX}   {'part':52s} | {header}")
+        for key, label in keys:
+            cells = " | ".join(
+                f"{fmt(r[f'{key}_ms'])} /{fmt(r[f'{key}_ms'], 'p99')}" for r in publish
+            )
+            print(f"{PREFIX}   {label:52s} | {cells}")
+    print(f"{PREFIX} bandwidth share trade-off (the trainer's write against the engine's loss)")
+    for r in publish:
+        gbps = nbytes / (r["write_ms"]["median"] / 1e3) / 1e9
+        print(f"{PREFIX}   {r['method']:10s} share {r['share']:4.2f}: "
+              f"write {fmt(r['write_ms'])} ms "
+              f"({gbps:6.1f} GB/s) | lost {fmt(r['lost_ms'])} ms/publish | longest step "
+              f"{r['longest_ms']['max'] / r['quiet_ms']:.2f}x undisturbed (max over publishes)")
+
+    # ------------------------------------------------------------------ verdicts
+    pipelined = [r for r in results if r["method"] == "pipelined"]
+    if pipelined:
+        for r in pipelined:
+            med, p99 = r["to_launch_ms"]["median"], r["to_launch_ms"]["p99"]
+            verdict(
+                f"item 1, pipelined share {r['share']:.2f}, commit -> first launch",
+                med <= 1.0 and p99 <= 2.0,
+                f"median {med:.3f} ms (<= 1), p99 {p99:.3f} ms (<= 2) "
+                f"over {r['to_launch_ms']['n']}",
+            )
+    else:
+        verdict("item 1, commit -> first launch", None, "pipelined not run")
+    pauses = [r for r in results if r["method"] in PAUSE_METHODS]
+    pause = min(pauses, key=lambda r: r["lost_ms"]["median"]) if pauses else None
+    for method in PUBLISH_METHODS:
+        runs = [r for r in results if r["method"] == method]
+        if not runs or pause is None:
+            continue
+        best = min(runs, key=lambda r: r["lost_ms"]["median"])
+        base = pause["lost_ms"]["median"]
+        mine = best["lost_ms"]["median"]
+        if two_gpus:
+            verdict(
+                f"item 2, {method} engine time lost vs pause-and-copy (two GPUs)",
+                mine <= base / 5.0,
+                f"{mine:.3f} ms (share {best['share']:.2f}) vs {pause['method']} {base:.3f} ms, "
+                f"target <= 1/5 = {base / 5.0:.3f} ms",
+            )
+        else:
+            verdict(
+                f"item 2, {method} engine time lost vs pause-and-copy (one GPU)",
+                mine <= base,
+                f"{mine:.3f} ms (share {best['share']:.2f}) vs {pause['method']} {base:.3f} ms",
+            )
+            low = min(runs, key=lambda r: r["share"])
+            ratio = low["longest_ms"]["max"] / low["quiet_ms"]  # the longest of every publish
+            verdict(
+                f"item 2, {method} longest step at share {low['share']:.2f} (one GPU)",
+                ratio <= 1.2 if low["share"] < 1.0 else None,
+                f"{ratio:.2f}x undisturbed (target <= 1.2x; needs a --share below 1)",
+            )
+    if pause is None:
+        verdict("item 2, engine time lost vs pause-and-copy", None, "no pause-and-copy method run")
+    for r in publish:
+        if r["share"] < 1.0:
+            continue
+        gbps = nbytes / (r["write_ms"]["median"] / 1e3) / 1e9
+        verdict(
+            f"item 3, {r['method']} write vs peer copy (NVLink floor, share off)",
+            gbps >= 0.9 * r["peer_gbps"] if two_gpus else None,
+            f"{gbps:.1f} GB/s vs {r['peer_gbps']:.1f} GB/s peer copy "
+            f"({gbps / r['peer_gbps']:.2f}x, target >= 0.9x)"
+            + ("" if two_gpus else "; needs --trainer-device != --engine-device"),
+        )
+    wrong = sum(r["wrong"] for r in results)
+    verdict("outputs", wrong == 0, "all correct" if wrong == 0 else f"{wrong} WRONG")
+
+
+def run_sizes(args, argv) -> int:
+    """``--gib A,B``: each size in its own process (regions live as long as their process),
+    then the verdict that the switch does not grow with size."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cleaned, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in ("--gib", "--json"):
+            skip = True
+            continue
+        if a.startswith("--gib=") or a.startswith("--json="):
+            continue
+        cleaned.append(a)
+    sizes = [g for g in args.gib.split(",") if g]
+    found, status = {}, 0
+    for gib in sizes:
+        out = os.path.join(tempfile.mkdtemp(prefix="rl-sync-size-"), "results.json")
+        print(f"{PREFIX} ===== --gib {gib} =====", flush=True)
+        rc = subprocess.call([sys.executable, os.path.abspath(__file__), *cleaned, "--gib", gib,
+                              "--json", out])
+        status = status or rc
+        if os.path.exists(out):
+            with open(out, encoding="utf-8") as f:
+                found[gib] = json.load(f)
+    small, big = sizes[0], sizes[-1]
+    for method in PUBLISH_METHODS:
+        a = [r for r in found.get(small, []) if r["method"] == method and r["share"] >= 1.0]
+        b = [r for r in found.get(big, []) if r["method"] == method and r["share"] >= 1.0]
+        if not a or not b:
+            continue
+        m_a, m_b = a[0]["to_launch_ms"]["median"], b[0]["to_launch_ms"]["median"]
+        allowed = max(0.1, 0.25 * m_a)
+        verdict(
+            f"item 1, {method} commit -> first launch does not grow with size",
+            (m_b - m_a) <= allowed if method == "pipelined" else None,
+            f"{m_a:.3f} ms at {small} GiB, {m_b:.3f} ms at {big} GiB (growth {m_b - m_a:+.3f} ms, "
+            f"allowed {allowed:.3f})" + ("" if method == "pipelined" else "; reported only"),
+        )
+    return status
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if "," in args.gib:
+        return run_sizes(args, argv)
     ctx = mp.get_context("spawn")
-    torch.cuda.set_device(0)
+    edev = args.engine_device
+    torch.cuda.set_device(edev)
+    device = f"cuda:{edev}"
     shapes = llama_shapes(args)
     with stablebuf.region(TAG):
-        params = {n: torch.empty(s, device="cuda", dtype=torch.bfloat16) for n, s in shapes.items()}
-    fill_version(params, 0)
+        params = {n: torch.empty(s, device=device, dtype=torch.bfloat16) for n, s in shapes.items()}
+    fill_version(params, 0, device)
     nbytes = sum(p.numel() * 2 for p in params.values())
     print(
-        f"rl_weight_sync: {len(params)} tensors, {nbytes / GiB:.2f} GiB bf16, "
-        f"{torch.cuda.get_device_name()}"
+        f"{PREFIX} {len(params)} tensors, {nbytes / GiB:.2f} GiB bf16, engine on GPU {edev} "
+        f"({torch.cuda.get_device_name(edev)}), trainer on GPU {args.trainer_device}"
+        + (f" ({torch.cuda.get_device_name(args.trainer_device)})"
+           if args.trainer_device != edev else "")
     )
-    x = probes(args)
-    served = Served(params, x)
+    x = probes(args, device)
+    served = Served(params, x, TAG)
+    pair = Pair(shapes, x, device) if "pipelined" in args.method_list else None
     results = []
-    for method in args.methods.split(","):
-        result = run_method(method, args, params, served, ctx)
-        results.append(result)
-        print(
-            f"rl_weight_sync: {method:12s} write {result['write_ms']:8.3f} ms | publish latency "
-            f"{result['latency_ms']:8.3f} ms (max {result['latency_max_ms']:.3f}) | engine step "
-            f"{result['quiet_ms']:.3f} ms undisturbed, {result['moving_ms']:.3f} ms while weights "
-            f"move | +{result['extra_gib']:.2f} GiB (trainer process included) | {result['wrong']} wrong"
-        )
-    base = next((r for r in results if r["method"] == "ipc-copy"), None)
-    if base is not None:
-        for r in results:
+    for method in args.method_list:
+        for share in (args.shares if method in PUBLISH_METHODS else [1.0]):
+            result = run_method(method, share, args, params, served, pair, ctx)
+            results.append(result)
             print(
-                f"rl_weight_sync: {r['method']:12s} device memory over ipc-copy "
-                f"(which adds none to the engine): {r['extra_gib'] - base['extra_gib']:+.2f} GiB"
+                f"{PREFIX} {method:12s} share {share:.2f}: write {fmt(result['write_ms'])} ms | "
+                f"lost {fmt(result['lost_ms'])} ms/publish | longest step "
+                f"{fmt(result['longest_ms'])} ms | commit -> end of step "
+                f"{fmt(result['to_end_ms'])} ms | {result['wrong']} wrong",
+                flush=True,
             )
-    wrong = sum(r["wrong"] for r in results)
-    mine = next((r for r in results if r["method"] == "stablebuf"), None)
-    if mine is not None:
-        ok_latency = mine["latency_ms"] <= 1.0
-        ratio = mine["moving_ms"] / mine["quiet_ms"]
-        print(
-            f"rl_weight_sync: verdict: publish latency {mine['latency_ms']:.3f} ms "
-            f"(target <= 1 ms): {'PASS' if ok_latency else 'MISS'}"
-        )
-        print(
-            f"rl_weight_sync: verdict: engine step while the trainer writes {ratio:.2f}x "
-            f"undisturbed (target <= 1.1x): {'PASS' if ratio <= 1.1 else 'MISS'}"
-        )
-    print(f"rl_weight_sync: verdict: outputs {'all correct' if wrong == 0 else f'{wrong} WRONG'}")
-    return 1 if wrong else 0
+    report(results, args, nbytes)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(results, f, default=float)
+    return 1 if sum(r["wrong"] for r in results) else 0
 
 
 if __name__ == "__main__":

@@ -70,6 +70,7 @@ from ._regions import library_path, pool, region, stats, tags, timeline
 from ._sleep import host_arena, reserve_host, sleep, wake
 from ._weights import bind, bound, crossover_bytes, snapshot, switch, unbind, writing
 from . import publish  # noqa: E402  (weight publishing between processes; imports no torch)
+from ._pipelined import PipelinedEngine, PipelinedTrainer  # noqa: E402  (two regions; no torch)
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._graph import CUDAGraph
@@ -105,6 +106,8 @@ __all__ = [
     "host_arena",
     "library_path",
     "note_use",
+    "PipelinedEngine",
+    "PipelinedTrainer",
     "pool",
     "publish",
     "region",

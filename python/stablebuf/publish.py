@@ -65,6 +65,7 @@ from ._native import (
     VersionConflict,
     WeightSet,
 )
+from ._share import DEFAULT_CHUNK_BYTES, SharePacer, write_shared
 from ._switcher import (
     DEFAULT_AGREE_EVERY,
     StartMin,
@@ -99,6 +100,28 @@ def _tensors_of(source: Any) -> Dict[str, Any]:
     if hasattr(source, "state_dict") and callable(source.state_dict):
         return dict(source.state_dict(keep_vars=True))
     return dict(source)
+
+
+def manifest_entries(tag: str, base: int, named: Mapping[str, Any]) -> List[Entry]:
+    """The manifest entries of ``named`` tensors, which must all live in region ``tag`` (whose
+    addresses start at ``base``)."""
+    entries = []
+    for name, t in named.items():
+        if _native.owner(int(t.data_ptr())) != tag and t.numel() > 0:
+            raise ValueError(
+                f"tensor `{name}` is not in region `{tag}`: allocate the model inside "
+                f"`with stablebuf.region({tag!r}):`"
+            )
+        entries.append(
+            Entry(
+                name,
+                int(t.data_ptr()) - base if t.numel() > 0 else 0,  # empty: no address
+                tuple(t.shape),
+                tuple(t.stride()),
+                dtype_name(t.dtype),
+            )
+        )
+    return entries
 
 
 def torch_start_min(group: Any) -> StartMin:
@@ -246,23 +269,7 @@ class Engine:
         torch = cuda_torch()
         self.tag = tag
         base = _native.region_base(tag)
-        named = _tensors_of(tensors)
-        entries = []
-        for name, t in named.items():
-            if _native.owner(int(t.data_ptr())) != tag and t.numel() > 0:
-                raise ValueError(
-                    f"tensor `{name}` is not in region `{tag}`: allocate the model inside "
-                    f"`with stablebuf.region({tag!r}):`"
-                )
-            entries.append(
-                Entry(
-                    name,
-                    int(t.data_ptr()) - base if t.numel() > 0 else 0,  # empty: no address
-                    tuple(t.shape),
-                    tuple(t.stride()),
-                    dtype_name(t.dtype),
-                )
-            )
+        entries = manifest_entries(tag, base, _tensors_of(tensors))
         # The region's device, whichever is current: its stream orders the snapshots' copies.
         torch.cuda.current_stream(device_of(tag)).synchronize()
         self._sets: List[WeightSet] = [
@@ -641,6 +648,9 @@ class Trainer:
         self._free: List[int] = []
         # Versions continue after what the engine has taken (from an earlier trainer, say).
         self._versions = VersionBook(manifest.published)
+        #: ``time.monotonic_ns()`` just before the last commit was sent (0: none yet), to time
+        #: a publish against the engine's clock (the same clock in every process of a host).
+        self.last_commit_at_ns = 0
 
     @classmethod
     def connect(
@@ -770,6 +780,12 @@ class Trainer:
                 return self._free[0]
             _wait_for_message(self._channel, deadline, "the engine to release a weight set")
 
+    def try_acquire(self) -> Optional[int]:
+        """A set the trainer may write now, or ``None``: reads the engine's messages, never
+        waits."""
+        self._drain()
+        return self._free[0] if self._free else None
+
     def commit(self, set_id: int, version: int) -> None:
         """Tells the engine set ``set_id`` holds ``version``, completely written (synchronise
         the streams that wrote it first; :meth:`publish` and :meth:`writing` do)."""
@@ -778,6 +794,7 @@ class Trainer:
             raise VersionConflict(problem)
         if set_id not in self._free:
             raise PublishError(f"set {set_id} is not the trainer's to commit (acquire one first)")
+        self.last_commit_at_ns = time.monotonic_ns()
         self._channel.send("commit", set=set_id, version=version)
         self._free.remove(set_id)
         self._versions.advance(version)
@@ -800,11 +817,23 @@ class Trainer:
         self._torch.cuda.synchronize(self._sets[set_id].device)
 
     def publish(
-        self, weights: Mapping[str, Any], version: int, timeout: Optional[float] = 30.0
+        self,
+        weights: Mapping[str, Any],
+        version: int,
+        timeout: Optional[float] = 30.0,
+        *,
+        share: float = 1.0,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ) -> int:
         """Copies ``weights`` (name → tensor; cast to the engine's dtypes) into a free set,
         synchronises and commits ``version``; returns the set's id. Every name and shape is
-        checked before anything is written (:class:`OfferMismatch`)."""
+        checked before anything is written (:class:`OfferMismatch`).
+
+        ``share`` below 1 leaves the engine the rest of the GPU or link: the copies go in
+        chunks of ``chunk_bytes``, each followed by a pause so that writing takes about
+        ``share`` of the wall time (:func:`stablebuf._share.write_shared`); the write then
+        takes about 1/``share`` as long."""
+        SharePacer(share)  # ValueError for a share outside (0, 1], before anything else
         problem = self.manifest.first_mismatch(weights, dtypes=False)
         if problem is not None:
             raise OfferMismatch(problem)
@@ -812,12 +841,22 @@ class Trainer:
         if problem is not None:
             raise VersionConflict(problem)
         set_id = self.acquire(timeout)
-        tensors = self.tensors(set_id)
-        for name, source in weights.items():
-            tensors[name].copy_(source, non_blocking=True)
+        self._write(set_id, weights, share, chunk_bytes)
         self._synchronize(set_id)
         self.commit(set_id, version)
         return set_id
+
+    def _write(
+        self, set_id: int, weights: Mapping[str, Any], share: float, chunk_bytes: int
+    ) -> None:
+        write_shared(
+            self._torch,
+            self.tensors(set_id),
+            weights,
+            share=share,
+            chunk_bytes=chunk_bytes,
+            devices=[self._sets[set_id].device],
+        )
 
     def close(self) -> None:
         """Closes the connection and lets go of the imported sets (their memory is freed once

@@ -1,0 +1,187 @@
+"""Pure helpers of weight publishing that need no GPU: the trainer's bandwidth share (writes in
+chunks of whole rows, paced so the writes take about ``share`` of the wall time), the latency
+statistics (median, nearest-rank p99) and the engine time a publish costs.
+
+:func:`write_shared` is the one function here that touches tensors (``torch`` is passed in, so
+importing this module imports no torch)."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+#: Default chunk of a shared write: small enough that a step waits for at most one chunk on
+#: the copy engine, large enough that the per-chunk synchronisation costs little.
+DEFAULT_CHUNK_BYTES = 64 << 20
+
+Chunk = List[Tuple[str, int, int]]  # (tensor name, first row, row after the last)
+
+
+def plan_chunks(items: Iterable[Tuple[str, Sequence[int], int]], chunk_bytes: int) -> List[Chunk]:
+    """Splits tensors ``(name, shape, itemsize)`` into chunks of at most ``chunk_bytes`` bytes,
+    each a list of ``(name, lo, hi)`` row ranges along dimension 0 (a 0-d tensor is one row;
+    an empty tensor is left out: nothing to copy). Every row of every tensor is in exactly one
+    chunk, in order; a single row larger than ``chunk_bytes`` makes a chunk of its own."""
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes={chunk_bytes}: must be positive")
+    chunks: List[Chunk] = []
+    current: Chunk = []
+    used = 0
+    for name, shape, itemsize in items:
+        shape = tuple(int(d) for d in shape)
+        rows = shape[0] if shape else 1
+        row_bytes = int(itemsize) * math.prod(shape[1:]) if shape else int(itemsize)
+        if rows == 0 or row_bytes == 0:
+            continue
+        lo = 0
+        while lo < rows:
+            take = (chunk_bytes - used) // row_bytes
+            if take == 0:
+                if current:
+                    chunks.append(current)
+                    current, used = [], 0
+                    continue
+                take = 1  # one row larger than a chunk: alone
+            take = min(take, rows - lo)
+            current.append((name, lo, lo + take))
+            used += take * row_bytes
+            lo += take
+            if used >= chunk_bytes:
+                chunks.append(current)
+                current, used = [], 0
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+class SharePacer:
+    """How long to yield after each chunk so that the writes take about ``share`` of the wall
+    time: after ``busy`` seconds of writing, ``busy * (1 - share) / share`` seconds of nothing.
+    ``share`` 1 is off (no pause, and :func:`write_shared` does not chunk at all)."""
+
+    def __init__(self, share: float) -> None:
+        share = float(share)
+        if not 0.0 < share <= 1.0:
+            raise ValueError(f"share={share}: must be in (0, 1]")
+        self.share = share
+
+    @property
+    def off(self) -> bool:
+        return self.share >= 1.0
+
+    def pause_after(self, busy: float) -> float:
+        if self.off or busy <= 0.0:
+            return 0.0
+        return busy * (1.0 - self.share) / self.share
+
+
+def write_shared(
+    torch: Any,
+    dst: Mapping[str, Any],
+    src: Mapping[str, Any],
+    *,
+    share: float = 1.0,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    devices: Sequence[int] = (),
+) -> Dict[str, float]:
+    """Copies ``src[name]`` into ``dst[name]`` (same shapes; cast by ``copy_``). With ``share``
+    1 every copy is queued at once (the caller synchronises). Below 1 the copies go in chunks
+    (:func:`plan_chunks`); after each chunk the current device and ``devices`` are synchronised
+    and the writer sleeps :meth:`SharePacer.pause_after` the chunk's time, so the engine sharing
+    the GPU or the link gets the rest. Returns ``{"chunks", "busy_s", "paused_s"}``."""
+    pacer = SharePacer(share)
+    if pacer.off:
+        for name, source in src.items():
+            dst[name].copy_(source, non_blocking=True)
+        return {"chunks": 1.0, "busy_s": 0.0, "paused_s": 0.0}
+    plan = plan_chunks(
+        ((n, tuple(dst[n].shape), dst[n].element_size()) for n in src), chunk_bytes
+    )
+    busy = paused = 0.0
+    for chunk in plan:
+        start = time.perf_counter()
+        for name, lo, hi in chunk:
+            target, source = dst[name], src[name]
+            if target.dim() == 0:
+                target.copy_(source, non_blocking=True)
+            else:
+                target[lo:hi].copy_(source[lo:hi], non_blocking=True)
+        torch.cuda.synchronize()
+        for device in devices:
+            torch.cuda.synchronize(device)
+        spent = time.perf_counter() - start
+        busy += spent
+        pause = pacer.pause_after(spent)
+        if pause > 0.0:
+            time.sleep(pause)
+            paused += pause
+    return {"chunks": float(len(plan)), "busy_s": busy, "paused_s": paused}
+
+
+# ---------------------------------------------------------------------------- statistics
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The nearest-rank ``q``-th percentile (``q`` in (0, 100]): with 20 values the p99 is the
+    largest, so a p99 over fewer than 100 samples is never optimistic."""
+    if not values:
+        raise ValueError("no values")
+    if not 0.0 < q <= 100.0:
+        raise ValueError(f"q={q}: must be in (0, 100]")
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def summarize(values: Sequence[float]) -> Dict[str, float]:
+    """``n``, ``median``, ``p99`` (nearest rank), ``max``, ``mean`` of ``values``."""
+    if not values:
+        return {"n": 0, "median": math.nan, "p99": math.nan, "max": math.nan, "mean": math.nan}
+    ordered = sorted(values)
+    n = len(ordered)
+    middle = n // 2
+    median = ordered[middle] if n % 2 else (ordered[middle - 1] + ordered[middle]) / 2.0
+    return {
+        "n": n,
+        "median": median,
+        "p99": percentile(ordered, 99.0),
+        "max": ordered[-1],
+        "mean": sum(ordered) / n,
+    }
+
+
+def time_lost(
+    steps: Sequence[Tuple[float, float]],
+    write_start: float,
+    window_end: float,
+    period: float,
+) -> Dict[str, float]:
+    """The engine time one publish cost. ``steps`` are ``(start, end)`` of the engine's steps
+    (serving continuously: one after the other), ``write_start`` when the trainer began to
+    write, ``window_end`` the end of the first step on the new weights, ``period`` the
+    undisturbed step period (step plus the loop's own overhead).
+
+    The window opens at the start of the first step that ends at or after ``write_start`` (the
+    step in flight when the write began) and closes at ``window_end``; the time lost is the
+    window's length less ``period`` per step completed in it (a pause with no step, as in
+    pause-and-copy, is lost whole). Returns ``lost``, ``longest`` (the longest single step in
+    the window), ``steps`` and ``window``."""
+    inside = [(s, e) for s, e in steps if e >= write_start and e <= window_end]
+    if not inside:
+        return {"lost": math.nan, "longest": math.nan, "steps": 0.0, "window": 0.0}
+    start = min(s for s, _ in inside)
+    window = window_end - start
+    return {
+        "lost": window - len(inside) * period,
+        "longest": max(e - s for s, e in inside),
+        "steps": float(len(inside)),
+        "window": window,
+    }
+
+
+def undisturbed_period(ends: Sequence[float]) -> Optional[float]:
+    """The median gap between successive step ends (``None`` with fewer than two)."""
+    if len(ends) < 2:
+        return None
+    return summarize([b - a for a, b in zip(ends, ends[1:])])["median"]
