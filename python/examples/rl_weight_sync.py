@@ -287,6 +287,22 @@ class Pair:
             self.served.append(Served(params, x, tag))
 
 
+def pull(dst, src, staging) -> None:
+    """Copies ``src`` (the trainer's memory, opened by CUDA IPC) into the engine's ``dst``
+    (flat). torch issues a copy between GPUs on the *source* GPU, and the engine's weights live
+    in a stablebuf region whose memory only the engine's GPU may access (``cuMemSetAccess``):
+    the driver refuses such a copy (invalid argument). So across GPUs the bytes land in a plain
+    buffer on the engine's GPU first (``staging``, the largest tensor's size, reused) and are
+    copied on from there, on the engine's GPU: one extra copy at the engine GPU's bandwidth,
+    counted in the baseline's pause."""
+    if staging is None:
+        dst.copy_(src, non_blocking=True)
+        return
+    part = staging[: src.numel()]
+    part.copy_(src, non_blocking=True)
+    dst.copy_(part, non_blocking=True)
+
+
 def run_method(method, share, args, params, served, pair, ctx) -> dict:
     conn, child_conn = ctx.Pipe()
     path = os.path.join(tempfile.mkdtemp(prefix="rl-sync-"), "engine.sock")
@@ -307,6 +323,10 @@ def run_method(method, share, args, params, served, pair, ctx) -> dict:
     elif "buckets" in setup:
         sources = [fn(*a) for fn, a in setup["buckets"]]
         where = setup["where"]
+    staging = None
+    if method in PAUSE_METHODS and args.trainer_device != args.engine_device:
+        largest = max(p.numel() for p in params.values())
+        staging = torch.empty(largest, dtype=torch.bfloat16, device=f"cuda:{args.engine_device}")
     torch.cuda.synchronize()
 
     def step():
@@ -350,11 +370,11 @@ def run_method(method, share, args, params, served, pair, ctx) -> dict:
                     pause_start = time.monotonic()  # the engine stops serving: pause, copy
                     if method == "ipc-copy":
                         for n, p in params.items():
-                            p.copy_(sources[n], non_blocking=True)
+                            pull(p.view(-1), sources[n].view(-1), staging)
                     else:
                         for n, p in params.items():
                             b, offset, numel = where[n]
-                            p.view(-1).copy_(sources[b][offset : offset + numel], non_blocking=True)
+                            pull(p.view(-1), sources[b][offset : offset + numel], staging)
                     s, e, launch_ns, launched_at = step()  # resume: the first step on new weights
                     steps.append((pause_start, e))
                     first = output().clone()
