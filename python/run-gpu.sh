@@ -5,13 +5,14 @@
 #   python/run-gpu.sh --multi <stablebuf wheel>
 #
 # --multi (scripts/gpu-session runs it with every GPU visible): only the tests that need several
-# GPUs (test_two_gpus.py, test_tp_decode.py at 2 and 4 ranks, test_tp_publish.py where it
-# exists, and the publish test from GPU 0 to GPU 1); a skipped test is a failed run here. Ends
+# GPUs (test_two_gpus.py, test_tp_decode.py at 2 and 4 ranks, test_tp_publish.py and
+# test_nccl_sync.py where they exist, and the publish test from GPU 0 to GPU 1); a skipped test is a failed run here. Ends
 # with `python distributed suite: N passed, M failed`.
 #
 # Installs the wheels into /tmp/site (pip --no-index --no-deps --target), then runs, with
 # timings: the capture probe, pytest (CPU and GPU tests), examples/weight_swap.py,
-# examples/serve_finetunes.py, examples/sleep_wake.py and examples/rl_weight_sync.py. Logs go
+# examples/serve_finetunes.py, examples/sleep_wake.py, examples/rl_weight_sync.py and (with
+# transformers) examples/kv_serve.py. Logs go
 # to $OUT when it is set (else /tmp/stablebuf-python-logs).
 # Ends with `python GPU suite: N passed, M failed`; exits non-zero if anything failed.
 # Python: $PYTHON if set, else python3; it must import torch. pytest runs the whole
@@ -85,6 +86,7 @@ count() { # name, status
 if [ "$multi" = 1 ]; then
   tests=(python/tests/test_two_gpus.py python/tests/test_tp_decode.py)
   [ -f python/tests/test_tp_publish.py ] && tests+=(python/tests/test_tp_publish.py)
+  [ -f python/tests/test_nccl_sync.py ] && tests+=(python/tests/test_nccl_sync.py)
   tests+=(python/tests/test_publish.py::test_a_trainer_on_gpu0_publishes_into_an_engine_on_gpu1_over_peer_access
     python/tests/test_publish.py::test_a_trainer_importing_the_sets_on_another_gpu_is_told_how_to_fix_it)
 else
@@ -156,6 +158,15 @@ count "sleep_wake" $?
 step "examples/rl_weight_sync.py" rl_weight_sync.log "$python" python/examples/rl_weight_sync.py
 count "rl_weight_sync" $?
 
+if [ ! -f python/examples/kv_serve.py ]; then
+  :
+elif "$python" -c "import transformers" 2>/dev/null; then
+  step "examples/kv_serve.py" kv_serve.log "$python" python/examples/kv_serve.py
+  count "kv_serve" $?
+else
+  echo "run-gpu: transformers is not installed: examples/kv_serve.py not run"
+fi
+
 elapsed=$(($(date +%s) - suite_start))
 {
   echo "run-gpu: finished in ${elapsed} s"
@@ -163,6 +174,7 @@ elapsed=$(($(date +%s) - suite_start))
   grep -h -E '^(weight_swap|serve_finetunes|sleep_wake):' "$logs/weight_swap.log" \
     "$logs/serve_finetunes.log" "$logs/sleep_wake.log" || true
   grep -h -E '^rl_weight_sync: verdict' "$logs/rl_weight_sync.log" || true
+  grep -h -E '^verdict ' "$logs/kv_serve.log" 2>/dev/null || true
   if [ ${#failures[@]} -gt 0 ]; then printf 'run-gpu: failed: %s\n' "${failures[@]}"; fi
   echo "python GPU suite: $passed passed, $failed failed"
 } | tee "$logs/summary.txt"
