@@ -35,7 +35,7 @@ use crate::buffer::{require_range, DeviceBuffer};
 use crate::driver::nccl::{self, Communicator, Registration};
 use crate::error::{Error, LayoutError, Result};
 use crate::space::listeners::RemapListener;
-use crate::Space;
+use crate::space::Space;
 
 /// Where libnccl was loaded from and its version number (`ncclGetVersion`, e.g. 22705 for
 /// 2.27.5), loading it if needed.

@@ -14,7 +14,7 @@
 
 use std::sync::{Arc, Mutex, Weak};
 
-use cudarc::driver::{CudaContext, CudaStream, DeviceRepr};
+use cudarc::driver::{CudaContext, CudaStream};
 
 use crate::driver;
 use crate::driver::vmm::{Location, Mapping, Physical, Reservation};
@@ -455,21 +455,13 @@ impl Dataset {
         )
     }
 
-    /// Copies `data` (exactly the slot's size) into slot `name`; returns when the copy is done.
-    pub fn write<T: DeviceRepr>(
-        &self,
-        stream: &Arc<CudaStream>,
-        name: &str,
-        data: &[T],
-    ) -> Result<()> {
-        let bytes = self.slot(name)?.bytes;
-        view::write_slot(name, bytes, data, || self.view::<T>(name, stream))
+    fn slot_bytes(&self, name: &str) -> Result<usize> {
+        Ok(self.slot(name)?.bytes)
     }
 
-    /// Copies slot `name` to the host.
-    pub fn read<T: DeviceRepr>(&self, stream: &Arc<CudaStream>, name: &str) -> Result<Vec<T>> {
-        view::read(&self.view::<T>(name, stream)?)
-    }
+    view::slot_copies!(
+        "Copies `data` (exactly the slot's size) into slot `name`; returns when the copy is done."
+    );
 }
 
 impl Drop for Dataset {

@@ -100,14 +100,15 @@
 //! ## Public surface
 //! The crate root has what a graph-replay loop needs (25 names). The modules add:
 //! [`buffer`] (the [`DeviceBuffer`] trait, checked copies, the plain `cuMemAlloc` baseline),
-//! [`device`] (device count, peer access, free memory), [`graph`] (what an update check
-//! reports, node kinds), [`host`] (what a transfer to or from the host reports), [`vmm`] (raw
-//! reservations, chunks and mappings, to build your own layouts or measure the driver floor),
-//! [`pool`] (blocks, tenants, statistics and events of elastic memory), [`region`], [`sleep`]
-//! (offloading and restoring groups by tag), [`share`] (sending a dataset to another process,
-//! the wire protocol, and [`share::publish`]: weight sets published to another process),
-//! [`layout`] (placement arithmetic), and with the feature `demo-kernels` [`kernels`] (the demo
-//! matmul and decode kernels and cuBLAS on slots, which the examples, benches and tests use).
+//! [`device`] (device count, peer access, free memory, the thread's current context),
+//! [`graph`] (what an update check reports, node kinds), [`host`] (what a transfer to or from
+//! the host reports), [`vmm`] (raw reservations, chunks and mappings, to build your own
+//! layouts or measure the driver floor), [`pool`] (blocks, tenants, statistics and events of
+//! elastic memory), [`region`], [`sleep`] (offloading and restoring groups by tag), [`share`]
+//! (sending a dataset to another process, the wire protocol, and [`share::publish`]: weight
+//! sets published to another process), [`layout`] (placement arithmetic), and with the feature
+//! `demo-kernels` [`kernels`] (the demo matmul and decode kernels and cuBLAS on slots, which
+//! the examples, benches and tests use).
 //!
 //! ## Logging
 //! Every driver call runs in a `debug` span of the `tracing` crate named after the call, with
@@ -176,8 +177,11 @@ pub use space::{Slot, Space, SpaceOptions};
 pub use strategy::{BindStrategy, CostModel};
 pub use view::SlotView;
 
-/// The devices: how many there are, whether one reaches another's memory, and free memory.
+/// The devices: how many there are, whether one reaches another's memory, and free memory;
+/// and for code that calls the crate from another runtime's threads (the Python package): the
+/// thread's current context, kept and put back, and that runtime's streams, borrowed.
 pub mod device {
+    pub use crate::driver::context::{borrow_stream, make_current, SavedContext};
     pub use crate::driver::device::{can_access_peer, device_count};
     pub use crate::driver::memory_info;
 }

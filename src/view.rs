@@ -115,6 +115,35 @@ pub(crate) fn write_slot<'a, T: DeviceRepr>(
     write(&mut view()?, slot, data)
 }
 
+/// `write` and `read` of a slot by name, for the holders of slots ([`Space`](crate::Space) and
+/// [`Dataset`](crate::Dataset)): one implementation for both, through their `view` and
+/// `slot_bytes`. `$write_doc` is `write`'s docs.
+macro_rules! slot_copies {
+    ($write_doc:expr) => {
+        #[doc = $write_doc]
+        pub fn write<T: cudarc::driver::DeviceRepr>(
+            &self,
+            stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+            name: &str,
+            data: &[T],
+        ) -> $crate::error::Result<()> {
+            let bytes = self.slot_bytes(name)?;
+            $crate::view::write_slot(name, bytes, data, || self.view::<T>(name, stream))
+        }
+
+        /// Copies slot `name` to the host.
+        pub fn read<T: cudarc::driver::DeviceRepr>(
+            &self,
+            stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+            name: &str,
+        ) -> $crate::error::Result<Vec<T>> {
+            $crate::view::read(&self.view::<T>(name, stream)?)
+        }
+    };
+}
+
+pub(crate) use slot_copies;
+
 /// Copies `data` into the view and waits for the copy, so `data` may be dropped at once.
 pub(crate) fn write<T: DeviceRepr>(
     view: &mut SlotView<'_, T>,

@@ -87,6 +87,7 @@ fn alloc_in_slot(slot: usize, size: usize, device: c_int) -> *mut c_void {
 
 /// Gives `ptr` back to the region that holds it. The size, device and stream PyTorch passes
 /// are not needed: the region knows each allocation's size.
+#[allow(unsafe_code)] // `no_mangle` only: the symbol PyTorch looks up; no unsafe block
 #[no_mangle]
 pub extern "C" fn stablebuf_free(
     ptr: *mut c_void,
@@ -109,6 +110,7 @@ macro_rules! alloc_entry_points {
     ($($name:ident = $slot:literal),* $(,)?) => {
         $(
             /// Allocation entry point of one tag's pool (see the module docs).
+            #[allow(unsafe_code)] // `no_mangle` only: the symbol PyTorch looks up
             #[no_mangle]
             pub extern "C" fn $name(size: usize, device: c_int, stream: *mut c_void) -> *mut c_void {
                 let _ = stream;

@@ -8,56 +8,35 @@
 //! runs inside a [`ContextScope`]: the region's context is current for the call, and the
 //! context that was current before is current again when the scope ends (also on an error or
 //! a panic). Values that release device memory when dropped (weight sets held by Python) are
-//! wrapped in [`ContextNeutral`] for the same reason.
+//! wrapped in [`ContextNeutral`] for the same reason. The driver calls are the core's
+//! ([`stablebuf::device::SavedContext`], [`stablebuf::device::make_current`]).
 //!
 //! ```text
 //!   current:  device 0 ─┬─ device 1 (region's) ──── core calls ────┬─ device 0
 //!                       ContextScope::enter(region on device 1)   scope dropped
 //! ```
 
-use std::mem::ManuallyDrop;
 use std::ops::Deref;
-use std::sync::OnceLock;
 
-use stablebuf::cudarc::driver::{result, sys, CudaContext, DriverError};
+use stablebuf::cudarc::driver::CudaContext;
+use stablebuf::device::{make_current, SavedContext};
 
 use crate::errors::Failure;
-
-/// Whether libcuda loads here, asked once: without it no context can be current, and cudarc's
-/// context calls would abort instead of failing.
-fn driver_present() -> bool {
-    static PRESENT: OnceLock<bool> = OnceLock::new();
-    *PRESENT.get_or_init(stablebuf::driver_present)
-}
-
-fn driver_failure(call: &'static str, error: DriverError) -> Failure {
-    Failure::from_core(
-        &stablebuf::Error::Driver(stablebuf::error::DriverError::Failed {
-            call,
-            result: error.0,
-            bytes: 0,
-        }),
-        None,
-    )
-}
 
 /// Puts back, when dropped, the CUDA context that was current on this thread when it was made.
 #[must_use = "the previous context is put back when the scope is dropped"]
 pub struct ContextScope {
-    /// The context current at the start (`Some(None)`: none was); `None` where it could not be
-    /// read (no driver, or the driver refused), and then nothing is put back.
-    previous: Option<Option<sys::CUcontext>>,
+    /// The context current at the start (or that none was); `None` where it could not be read
+    /// (no driver, or the driver refused), and then nothing is put back.
+    previous: Option<SavedContext>,
 }
 
 impl ContextScope {
     /// Remembers this thread's current context, to put it back at the end of the scope.
     pub fn keep() -> Self {
-        let previous = if driver_present() {
-            result::ctx::get_current().ok()
-        } else {
-            None
-        };
-        Self { previous }
+        Self {
+            previous: SavedContext::save().ok(),
+        }
     }
 
     /// Remembers this thread's current context and makes `ctx` current for the scope.
@@ -70,8 +49,8 @@ impl ContextScope {
     /// Makes `ctx` current for the rest of the scope (a call over regions of several devices
     /// switches between their contexts; the caller's comes back at the end all the same).
     pub fn switch_to(&self, ctx: &CudaContext) -> Result<(), Failure> {
-        ctx.bind_to_thread().map_err(|error| {
-            driver_failure("cuCtxSetCurrent", error).context(format_args!(
+        make_current(ctx).map_err(|error| {
+            Failure::from_core(&error, None).context(format_args!(
                 "making device {}'s context current",
                 ctx.ordinal()
             ))
@@ -81,21 +60,12 @@ impl ContextScope {
 
 impl Drop for ContextScope {
     fn drop(&mut self) {
-        let Some(previous) = self.previous else {
-            return;
-        };
-        if result::ctx::get_current().ok() == Some(previous) {
-            return;
+        if let Some(previous) = &self.previous {
+            // A context that was current a moment ago can only fail to become current again
+            // when the driver is unusable (a sticky error), which the caller's next CUDA call
+            // reports; a drop has no one to tell.
+            let _ = previous.restore();
         }
-        // SAFETY: `previous` was current on this thread at the start of the scope, and the
-        // contexts this crate makes current are primary contexts, retained for the life of the
-        // process (so were PyTorch's); null makes no context current, as it was.
-        let restored =
-            unsafe { result::ctx::set_current(previous.unwrap_or(std::ptr::null_mut())) };
-        // A context that was current a moment ago can only fail to become current again when
-        // the driver is unusable (a sticky error), which the caller's next CUDA call reports;
-        // a drop has no one to tell.
-        let _ = restored;
     }
 }
 
@@ -104,11 +74,11 @@ impl Drop for ContextScope {
 /// Python lets go of a weight set wherever it likes, whichever device is current; dropping the
 /// last handle waits for and releases memory in the set's own context, which would then stay
 /// current and move PyTorch's current device.
-pub struct ContextNeutral<T>(ManuallyDrop<T>);
+pub struct ContextNeutral<T>(Option<T>);
 
 impl<T> ContextNeutral<T> {
     pub fn new(value: T) -> Self {
-        Self(ManuallyDrop::new(value))
+        Self(Some(value))
     }
 }
 
@@ -116,15 +86,14 @@ impl<T> Deref for ContextNeutral<T> {
     type Target = T;
 
     fn deref(&self) -> &T {
-        &self.0
+        self.0.as_ref().expect("only a drop takes the value")
     }
 }
 
 impl<T> Drop for ContextNeutral<T> {
     fn drop(&mut self) {
         let _scope = ContextScope::keep();
-        // SAFETY: the value is dropped here, once, and never touched again.
-        unsafe { ManuallyDrop::drop(&mut self.0) }
+        drop(self.0.take());
     }
 }
 
@@ -154,7 +123,7 @@ mod tests {
 
     #[test]
     fn without_a_driver_a_scope_remembers_nothing_and_puts_nothing_back() {
-        if driver_present() {
+        if stablebuf::driver_present() {
             return; // a GPU machine: the GPU tests check that the current device is kept
         }
         let scope = ContextScope::keep();

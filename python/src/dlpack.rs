@@ -7,7 +7,9 @@
 //! calls `deleter` when its tensor dies; a capsule never consumed calls it from its destructor.
 //! The owner is a Rust value (`Send`), so the deleter needs no GIL, whatever thread runs it.
 
+use std::any::Any;
 use std::ffi::{c_void, CStr};
+use std::sync::Arc;
 
 use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
@@ -135,22 +137,46 @@ pub fn capsule<T: Send + 'static>(
     }
 }
 
-/// Host bytes exported the same way, for the CPU test of the capsules (`torch.from_dlpack`
-/// on the CPU): not for use.
-#[pyclass(module = "stablebuf", name = "_DlpackProbe", frozen)]
-pub struct DlpackProbe {
-    bytes: std::sync::Arc<Vec<u8>>,
+/// Memory exported through the DLPack protocol: `bytes` bytes at `ptr` on
+/// `(device_type, device_id)` as a one-dimensional `uint8` array, kept alive by `owner` while a
+/// capsule or a tensor made from one uses it. The base class of the Python types that export
+/// memory this way (`ImportedWeightSet`, `_DlpackProbe`): their one `__dlpack__` and
+/// `__dlpack_device__`.
+#[pyclass(module = "stablebuf", name = "_DlpackExport", subclass, frozen)]
+pub struct DlpackExport {
+    ptr: u64,
+    bytes: usize,
+    device_type: i32,
+    device_id: i32,
+    /// What keeps `[ptr, ptr + bytes)` valid; each capsule holds a clone, so its last holder
+    /// drops it (a weight set's is context-neutral: the capsule's deleter runs wherever PyTorch
+    /// frees the tensor).
+    owner: Arc<dyn Any + Send + Sync>,
+}
+
+impl DlpackExport {
+    /// `owner` must keep `[ptr, ptr + bytes)` valid for as long as it lives.
+    pub fn new(
+        ptr: u64,
+        bytes: usize,
+        (device_type, device_id): (i32, i32),
+        owner: Arc<dyn Any + Send + Sync>,
+    ) -> Self {
+        Self {
+            ptr,
+            bytes,
+            device_type,
+            device_id,
+            owner,
+        }
+    }
 }
 
 #[pymethods]
-impl DlpackProbe {
-    #[new]
-    fn new(values: Vec<u8>) -> Self {
-        Self {
-            bytes: std::sync::Arc::new(values),
-        }
-    }
-
+impl DlpackExport {
+    /// The memory as a DLPack capsule (one-dimensional `uint8`): `torch.from_dlpack(obj)` is a
+    /// zero-copy tensor over it that keeps the memory alive, with no NumPy needed. Exported
+    /// memory has no work in flight when handed out, so `stream` needs no ordering.
     #[pyo3(signature = (stream=None, max_version=None, dl_device=None, copy=None))]
     fn __dlpack__<'py>(
         &self,
@@ -161,19 +187,35 @@ impl DlpackProbe {
         copy: Option<bool>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let _ = (stream, max_version, dl_device);
-        let ptr = self.bytes.as_ptr() as u64;
         capsule(
             py,
-            ptr,
-            self.bytes.len(),
-            DEVICE_CPU,
-            0,
+            self.ptr,
+            self.bytes,
+            self.device_type,
+            self.device_id,
             copy,
-            self.bytes.clone(),
+            self.owner.clone(),
         )
     }
 
+    /// `(device type, device)`: `(kDLCUDA, device)` for device memory, `(kDLCPU, 0)` for host
+    /// memory.
     fn __dlpack_device__(&self) -> (i32, i32) {
-        (DEVICE_CPU, 0)
+        (self.device_type, self.device_id)
+    }
+}
+
+/// Host bytes exported the same way, for the CPU test of the capsules (`torch.from_dlpack`
+/// on the CPU): not for use.
+#[pyclass(module = "stablebuf", name = "_DlpackProbe", extends = DlpackExport, frozen)]
+pub struct DlpackProbe;
+
+#[pymethods]
+impl DlpackProbe {
+    #[new]
+    fn new(values: Vec<u8>) -> PyClassInitializer<Self> {
+        let bytes = Arc::new(values);
+        let export = DlpackExport::new(bytes.as_ptr() as u64, bytes.len(), (DEVICE_CPU, 0), bytes);
+        PyClassInitializer::from(export).add_subclass(Self)
     }
 }

@@ -7,7 +7,7 @@
 //! Sockets are owned here (std's `UnixStream`), so no descriptor crosses into Python.
 
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -18,6 +18,7 @@ use stablebuf::share::publish::{self, Expectation, PublishMessage};
 use stablebuf::share::ProtocolError;
 
 use crate::context::{ContextNeutral, ContextScope};
+use crate::dlpack::{DlpackExport, DEVICE_CUDA};
 use crate::errors::Failure;
 use crate::{regions, WeightSet};
 
@@ -228,15 +229,15 @@ impl Channel {
     /// and maps it on `device` with read-write access for `access` (default: `device`), and
     /// acknowledges it. On a mismatch the engine gets a Reject and `OfferMismatch` is raised.
     #[pyo3(signature = (device, tag=None, fingerprint=None, nbytes=None, access=None))]
-    fn receive_set(
+    fn receive_set<'py>(
         &self,
-        py: Python<'_>,
+        py: Python<'py>,
         device: i32,
         tag: Option<String>,
         fingerprint: Option<u64>,
         nbytes: Option<u64>,
         access: Option<Vec<usize>>,
-    ) -> PyResult<ImportedWeightSet> {
+    ) -> PyResult<Bound<'py, ImportedWeightSet>> {
         // Opening the device and importing make its context current; the caller's comes back
         // (`with` runs the closure on this thread), so importing on the engine's GPU does not
         // move PyTorch's current device.
@@ -252,13 +253,17 @@ impl Channel {
             publish::receive_weight_set_for(socket, &ctx, &expect, &access)
         })?;
         let ptr = snapshot.home_ptr().map_err(publish_error)?;
-        Ok(ImportedWeightSet {
+        // The capsules' owner: dropped wherever PyTorch frees the last tensor over the set.
+        let owner = Arc::new(ContextNeutral::new(snapshot.clone()));
+        let export = DlpackExport::new(ptr, snapshot.bytes(), (DEVICE_CUDA, device), owner);
+        let set = ImportedWeightSet {
             snapshot: ContextNeutral::new(snapshot),
             set: offer.set,
             tag: offer.tag,
             ptr,
             device,
-        })
+        };
+        Bound::new(py, PyClassInitializer::from(export).add_subclass(set))
     }
 
     /// Sends the manifest text (in as many parts as it takes).
@@ -343,8 +348,9 @@ impl Channel {
 }
 
 /// A weight set another process published, mapped read-write into this one. Its memory lives
-/// while this object (or a tensor made over it through `__cuda_array_interface__`) does.
-#[pyclass(module = "stablebuf", name = "ImportedWeightSet", frozen)]
+/// while this object (or a tensor made over it through `__cuda_array_interface__` or
+/// `__dlpack__`, which it has from [`DlpackExport`]) does.
+#[pyclass(module = "stablebuf", name = "ImportedWeightSet", extends = DlpackExport, frozen)]
 pub struct ImportedWeightSet {
     /// Dropped wherever Python lets go of it: its release must not move the current device.
     snapshot: ContextNeutral<Snapshot>,
@@ -399,36 +405,6 @@ impl ImportedWeightSet {
         // Writers synchronise their own stream before committing: no stream to order against.
         out.set_item("stream", py.None())?;
         Ok(out)
-    }
-
-    /// The whole set as a DLPack capsule (one-dimensional `uint8`): `torch.from_dlpack(imported)`
-    /// is a zero-copy tensor over it that keeps the set alive, with no NumPy needed. The set has
-    /// no work in flight when handed out, so `stream` needs no ordering.
-    #[pyo3(signature = (stream=None, max_version=None, dl_device=None, copy=None))]
-    fn __dlpack__<'py>(
-        &self,
-        py: Python<'py>,
-        stream: Option<&Bound<'py, PyAny>>,
-        max_version: Option<&Bound<'py, PyAny>>,
-        dl_device: Option<&Bound<'py, PyAny>>,
-        copy: Option<bool>,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        let _ = (stream, max_version, dl_device);
-        crate::dlpack::capsule(
-            py,
-            self.ptr,
-            self.snapshot.bytes(),
-            crate::dlpack::DEVICE_CUDA,
-            self.device,
-            copy,
-            // The capsule's deleter runs wherever PyTorch frees the tensor.
-            ContextNeutral::new(self.snapshot.clone()),
-        )
-    }
-
-    /// `(kDLCUDA, device)`.
-    fn __dlpack_device__(&self) -> (i32, i32) {
-        (crate::dlpack::DEVICE_CUDA, self.device)
     }
 
     fn __repr__(&self) -> String {
@@ -487,6 +463,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Listener>()?;
     m.add_class::<Channel>()?;
     m.add_class::<ImportedWeightSet>()?;
+    m.add_class::<crate::dlpack::DlpackExport>()?;
     m.add_class::<crate::dlpack::DlpackProbe>()?;
     m.add_function(wrap_pyfunction!(snapshot_shareable, m)?)?;
     m.add_function(wrap_pyfunction!(wake_onto, m)?)?;

@@ -19,7 +19,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
-use stablebuf::cudarc::driver::{sys, CudaContext, CudaStream};
+use stablebuf::cudarc::driver::{CudaContext, CudaStream};
+use stablebuf::device::borrow_stream;
 use stablebuf::host::{StorageUsed, TransferReport};
 use stablebuf::region::{
     timeline_svg, Region, RegionOptions, RegionStats, Snapshot, SwitchStrategy, Switched,
@@ -262,27 +263,18 @@ impl Transfer {
 /// is refused: the region's copies and fences must run on its own device.
 fn borrowed_stream(region: &Region, handle: usize) -> Result<Arc<CudaStream>, Failure> {
     let ctx = region.context();
-    let stream = handle as sys::CUstream;
-    let mut owner: sys::CUcontext = std::ptr::null_mut();
-    // SAFETY: asks the driver which context `stream` belongs to; the null stream (handle 0)
-    // answers with the current context, the region's.
-    let asked = unsafe { sys::cuStreamGetCtx(stream, &mut owner) };
-    if asked != sys::CUresult::CUDA_SUCCESS {
-        return Err(Failure::from_core(
-            &stablebuf::Error::Driver(stablebuf::error::DriverError::Failed {
-                call: "cuStreamGetCtx",
-                result: asked,
-                bytes: 0,
-            }),
-            None,
-        )
-        .context(format_args!(
+    // The core's `borrow_stream` asks the driver (`cuStreamGetCtx`); PyTorch keeps the stream
+    // alive for the duration of the call, and the wrapper is dropped before the call returns.
+    // Work a call leaves enqueued on it (a copy switch's copy) is the stream's like any
+    // PyTorch kernel.
+    let borrowed = borrow_stream(ctx, handle as u64).map_err(|error| {
+        Failure::from_core(&error, None).context(format_args!(
             "checking the stream {handle:#x} given for region `{}`",
             region.tag()
-        )));
-    }
-    if owner != ctx.cu_ctx() {
-        return Err(Failure::new(
+        ))
+    })?;
+    borrowed.ok_or_else(|| {
+        Failure::new(
             Kind::DeviceMismatch,
             format!(
                 "stream {handle:#x} belongs to another device's context than region `{}`, which \
@@ -291,13 +283,8 @@ fn borrowed_stream(region: &Region, handle: usize) -> Result<Arc<CudaStream>, Fa
                 ctx.ordinal(),
                 ctx.ordinal()
             ),
-        ));
-    }
-    // SAFETY: `stream` belongs to this (primary) context, checked above; PyTorch keeps it
-    // alive for the duration of the call, and the wrapper (which does not destroy a borrowed
-    // stream) is dropped before the call returns. Work a call leaves enqueued on it (a copy
-    // switch's copy) is the stream's like any PyTorch kernel.
-    Ok(unsafe { ctx.wrap_borrowed_stream(stream) })
+        )
+    })
 }
 
 /// Round `bytes` up to whole arena steps.

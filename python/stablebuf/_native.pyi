@@ -97,7 +97,19 @@ class PublishListener:
     def accept(self) -> Optional[PublishChannel]: ...
     def close(self) -> None: ...
 
-class ImportedWeightSet:
+class _DlpackExport:
+    """Memory exported through DLPack: the base of ImportedWeightSet and _DlpackProbe."""
+
+    def __dlpack__(
+        self,
+        stream: Optional[object] = None,
+        max_version: Optional[object] = None,
+        dl_device: Optional[object] = None,
+        copy: Optional[bool] = None,
+    ) -> object: ...
+    def __dlpack_device__(self) -> Tuple[int, int]: ...
+
+class ImportedWeightSet(_DlpackExport):
     @property
     def set_id(self) -> int: ...
     @property
@@ -110,27 +122,11 @@ class ImportedWeightSet:
     def device(self) -> int: ...
     @property
     def __cuda_array_interface__(self) -> Dict[str, object]: ...
-    def __dlpack__(
-        self,
-        stream: Optional[object] = None,
-        max_version: Optional[object] = None,
-        dl_device: Optional[object] = None,
-        copy: Optional[bool] = None,
-    ) -> object: ...
-    def __dlpack_device__(self) -> Tuple[int, int]: ...
 
-class _DlpackProbe:
+class _DlpackProbe(_DlpackExport):
     """Host bytes as a DLPack capsule: for the CPU test of the capsules only."""
 
     def __init__(self, values: List[int]) -> None: ...
-    def __dlpack__(
-        self,
-        stream: Optional[object] = None,
-        max_version: Optional[object] = None,
-        dl_device: Optional[object] = None,
-        copy: Optional[bool] = None,
-    ) -> object: ...
-    def __dlpack_device__(self) -> Tuple[int, int]: ...
 
 class PublishChannel:
     @staticmethod

@@ -23,9 +23,11 @@ pub(crate) struct BlasHandle {
     blas: CudaBlas,
 }
 
-/// Column-major operand shapes of one SGEMM: `C[m,n] = alpha · A[m,k] · B[k,n] + beta · C`.
+/// Column-major operands of one GEMM: `C[m,n] = alpha · op(A)[m,k] · B[k,n] + beta · C`, each
+/// matrix a device pointer and its leading dimension. One SGEMM is exactly this ([`BlasHandle::sgemm`],
+/// no transpose); a bf16 GemmEx adds its own switches ([`GemmBf16`]).
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct Sgemm {
+pub(crate) struct Gemm {
     pub m: i32,
     pub n: i32,
     pub k: i32,
@@ -39,24 +41,14 @@ pub(crate) struct Sgemm {
     pub ldc: i32,
 }
 
-/// Column-major operand shapes of one bf16 GemmEx: `C[m,n] = alpha · op(A)[m,k] · B[k,n] +
-/// beta · C`, A and B bf16, C bf16 or FP32, FP32 accumulation (`CUBLAS_COMPUTE_32F`), the default
-/// algorithm. B is never transposed.
+/// One bf16 GemmEx: [`Gemm`]'s operands, A and B bf16, C bf16 or FP32, FP32 accumulation
+/// (`CUBLAS_COMPUTE_32F`), the default algorithm. B is never transposed.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct GemmBf16 {
+    /// The operands and scales.
+    pub gemm: Gemm,
     /// `op(A) = Aᵀ` (A is stored `k × m`, leading dimension `lda ≥ k`) instead of A.
     pub transpose_a: bool,
-    pub m: i32,
-    pub n: i32,
-    pub k: i32,
-    pub alpha: f32,
-    pub a: sys::CUdeviceptr,
-    pub lda: i32,
-    pub b: sys::CUdeviceptr,
-    pub ldb: i32,
-    pub beta: f32,
-    pub c: sys::CUdeviceptr,
-    pub ldc: i32,
     /// C holds FP32 (`CUDA_R_32F`) rather than bf16 (`CUDA_R_16BF`).
     pub c_f32: bool,
 }
@@ -80,7 +72,7 @@ impl BlasHandle {
 
     /// Enqueues one column-major SGEMM. The caller has checked that each pointer holds its
     /// operand in full (A: lda × k, B: ldb × n, C: ldc × n floats).
-    pub(crate) fn sgemm(&self, g: Sgemm) -> Result<()> {
+    pub(crate) fn sgemm(&self, g: Gemm) -> Result<()> {
         let op = cublas_sys::cublasOperation_t::CUBLAS_OP_N;
         blas_call("cublasSgemm_v2", || {
             // SAFETY: the operands were checked by the caller; alpha and beta are host values
@@ -109,14 +101,21 @@ impl BlasHandle {
     /// Enqueues one column-major bf16 GemmEx. The caller has checked that each pointer holds
     /// its operand in full (A: lda × (k or m) bf16, B: ldb × n bf16, C: ldc × n elements of
     /// C's type).
-    pub(crate) fn gemm_bf16(&self, g: GemmBf16) -> Result<()> {
+    pub(crate) fn gemm_bf16(
+        &self,
+        GemmBf16 {
+            gemm: g,
+            transpose_a,
+            c_f32,
+        }: GemmBf16,
+    ) -> Result<()> {
         use cublas_sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
-        let transa = if g.transpose_a {
+        let transa = if transpose_a {
             cublasOperation_t::CUBLAS_OP_T
         } else {
             cublasOperation_t::CUBLAS_OP_N
         };
-        let c_type = if g.c_f32 {
+        let c_type = if c_f32 {
             cudaDataType::CUDA_R_32F
         } else {
             cudaDataType::CUDA_R_16BF

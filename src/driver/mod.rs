@@ -11,6 +11,7 @@
 #[cfg(feature = "demo-kernels")]
 pub(crate) mod blas;
 mod call;
+pub(crate) mod context;
 pub(crate) mod device;
 pub(crate) mod event;
 pub(crate) mod graph;

@@ -217,7 +217,7 @@ impl ArenaRegion {
     /// Host address of byte `at` of the region.
     pub(crate) fn ptr(&self, at: usize, len: usize) -> Result<*mut u8> {
         if at.checked_add(len).is_none_or(|end| end > self.len) {
-            return Err(crate::Error::Layout(LayoutError::InvalidShape(format!(
+            return Err(Error::Layout(LayoutError::InvalidShape(format!(
                 "{len} bytes at {at} of a {}-byte arena region",
                 self.len
             ))));

@@ -6,7 +6,7 @@ use cudarc::driver::CudaStream;
 
 use super::args::{dim, need, need_elems, BF16, F32};
 use crate::buffer::DeviceBuffer;
-use crate::driver::blas::{BlasHandle, GemmBf16, Sgemm};
+use crate::driver::blas::{BlasHandle, Gemm, GemmBf16};
 use crate::error::Result;
 
 /// Bytes of workspace cuBLAS wants on Hopper; smaller GPUs use less of it.
@@ -86,19 +86,8 @@ impl Blas {
         need("sgemm B", b, [k, n])?;
         need("sgemm C", c, [m, n])?;
         // Column-major cuBLAS computes Cᵀ = Bᵀ·Aᵀ, which is row-major C = A·B.
-        self.handle.sgemm(Sgemm {
-            m: ni,
-            n: mi,
-            k: ki,
-            alpha,
-            a: b.device_address(),
-            lda: ni,
-            b: a.device_address(),
-            ldb: ki,
-            beta,
-            c: c.device_address(),
-            ldc: ni,
-        })
+        let gemm = row_major([mi, ni, ki], alpha, a, b, ni, beta, c);
+        self.handle.sgemm(gemm)
     }
 
     /// Enqueues row-major `C[m,n] = A[m,k] · B` in bf16 with FP32 accumulation
@@ -129,19 +118,36 @@ impl Blas {
             WeightLayout::NByK => (true, ki),
         };
         self.handle.gemm_bf16(GemmBf16 {
+            gemm: row_major([mi, ni, ki], 1.0, a, b, lda, 0.0, c),
             transpose_a,
-            m: ni,
-            n: mi,
-            k: ki,
-            alpha: 1.0,
-            a: b.device_address(),
-            lda,
-            b: a.device_address(),
-            ldb: ki,
-            beta: 0.0,
-            c: c.device_address(),
-            ldc: ni,
             c_f32: output == GemmOutput::F32,
         })
+    }
+}
+
+/// Row-major `C[m,n] = alpha · A[m,k] · B + beta · C` as the column-major GEMM cuBLAS computes:
+/// `Cᵀ[n,m] = op(B')·Aᵀ`, B's memory (leading dimension `b_lead`) as the first operand and A's
+/// as the second.
+fn row_major(
+    [m, n, k]: [i32; 3],
+    alpha: f32,
+    a: &impl DeviceBuffer,
+    b: &impl DeviceBuffer,
+    b_lead: i32,
+    beta: f32,
+    c: &impl DeviceBuffer,
+) -> Gemm {
+    Gemm {
+        m: n,
+        n: m,
+        k,
+        alpha,
+        a: b.device_address(),
+        lda: b_lead,
+        b: a.device_address(),
+        ldb: k,
+        beta,
+        c: c.device_address(),
+        ldc: n,
     }
 }

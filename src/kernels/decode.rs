@@ -19,11 +19,12 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaModule, CudaStream, LaunchConfig};
+use cudarc::driver::{CudaStream, LaunchConfig};
 
 use super::args::{dim, grid_stride, need_elems, BF16, F32};
+use super::table::kernel_table;
 use crate::buffer::DeviceBuffer;
-use crate::driver::launch::{abi, function, load_module, KernelFn};
+use crate::driver::launch::KernelFn;
 use crate::error::{Error, LayoutError, Result};
 
 /// The activation [`DecodeKernels::bias_act`] applies.
@@ -98,42 +99,21 @@ const BLOCK: u32 = 256;
 /// The most blocks [`DecodeKernels::partial_sums`] launches, so the most sums it writes.
 pub const MAX_PARTIAL_SUMS: usize = 4096;
 
-/// The loaded `kernels/decode.cu` module and its functions. See the module docs.
-#[derive(Debug)]
-pub struct DecodeKernels {
-    module: Arc<CudaModule>,
-    bias_act: KernelFn<(u64, u64, u64, i32, i32, i32)>,
-    residual_add: KernelFn<(u64, u64, u64, u64, i32, i32)>,
-    rms_norm: KernelFn<(u64, u64, u64, i32, i32, f32)>,
-    fill: KernelFn<(u64, u64, u32)>,
-    fill_uniform: KernelFn<(u64, u64, u64, f32, f32)>,
-    to_bf16: KernelFn<(u64, u64, u64)>,
-    to_f32: KernelFn<(u64, u64, u64)>,
-    partial_sums: KernelFn<(u64, u64, u64)>,
+kernel_table! {
+    /// The loaded `kernels/decode.cu` module and its functions. See the module docs.
+    pub struct DecodeKernels from super::PTX_DECODE {
+        bias_act: KernelFn<(u64, u64, u64, i32, i32, i32)> = BIAS_ACT_BF16,
+        residual_add: KernelFn<(u64, u64, u64, u64, i32, i32)> = RESIDUAL_ADD_BF16,
+        rms_norm: KernelFn<(u64, u64, u64, i32, i32, f32)> = RMS_NORM_BF16,
+        fill: KernelFn<(u64, u64, u32)> = FILL_BF16,
+        fill_uniform: KernelFn<(u64, u64, u64, f32, f32)> = FILL_UNIFORM_BF16,
+        to_bf16: KernelFn<(u64, u64, u64)> = CONVERT_F32_TO_BF16,
+        to_f32: KernelFn<(u64, u64, u64)> = CONVERT_BF16_TO_F32,
+        partial_sums: KernelFn<(u64, u64, u64)> = PARTIAL_SUMS_BF16,
+    }
 }
 
 impl DecodeKernels {
-    /// Loads the module into `ctx` (the driver JIT-compiles the PTX for the device once).
-    pub fn load(ctx: &Arc<CudaContext>) -> Result<Self> {
-        let module = load_module(ctx, super::PTX_DECODE)?;
-        Ok(Self {
-            bias_act: function(&module, abi::BIAS_ACT_BF16)?,
-            residual_add: function(&module, abi::RESIDUAL_ADD_BF16)?,
-            rms_norm: function(&module, abi::RMS_NORM_BF16)?,
-            fill: function(&module, abi::FILL_BF16)?,
-            fill_uniform: function(&module, abi::FILL_UNIFORM_BF16)?,
-            to_bf16: function(&module, abi::CONVERT_F32_TO_BF16)?,
-            to_f32: function(&module, abi::CONVERT_BF16_TO_F32)?,
-            partial_sums: function(&module, abi::PARTIAL_SUMS_BF16)?,
-            module,
-        })
-    }
-
-    /// The module, to load other functions by name for `launch_builder`.
-    pub fn module(&self) -> &Arc<CudaModule> {
-        &self.module
-    }
-
     /// Enqueues `out[r, c] = bf16(act(y[r, c] + bias[c]))` for `[rows, cols]`: `y` FP32,
     /// `bias` (`cols`) and `out` bf16.
     pub fn bias_act(

@@ -9,17 +9,19 @@ mod args;
 mod blas;
 mod decode;
 mod ptx;
+mod table;
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use cudarc::driver::{CudaContext, CudaModule, CudaStream, DevicePtr, LaunchConfig};
+use cudarc::driver::{CudaStream, DevicePtr, LaunchConfig};
 
 use crate::buffer::{require_range, DeviceBuffer};
-use crate::driver::launch::{abi, function, load_module, KernelFn};
+use crate::driver::launch::KernelFn;
 use crate::driver::traced;
 use crate::error::{Error, LayoutError, Result};
 use args::{dim, grid_stride, need, F32, U32};
+use table::kernel_table;
 
 pub use blas::{Blas, GemmOutput, WeightLayout, RECOMMENDED_WORKSPACE};
 pub use decode::{
@@ -43,44 +45,22 @@ pub enum MatmulKernel {
     Auto,
 }
 
-/// The loaded kernel module and its functions.
-#[derive(Debug)]
-pub struct Kernels {
-    module: Arc<CudaModule>,
-    naive: Matmul,
-    tiled: Matmul,
-    register_tiled: Matmul,
-    bias_act: KernelFn<(u64, u64, i32, i32, i32)>,
-    fill: KernelFn<(u64, u64, f32)>,
-    spin: KernelFn<(u64,)>,
-    fill_pattern: KernelFn<(u64, u64, u64, u32)>,
-    count_mismatches: KernelFn<(u64, u64, u64, u32, u64)>,
-    affine: KernelFn<(u64, u64, f32, f32)>,
+kernel_table! {
+    /// The loaded kernel module and its functions.
+    pub struct Kernels from PTX {
+        naive: Matmul = MATMUL_NAIVE,
+        tiled: Matmul = MATMUL_TILED,
+        register_tiled: Matmul = MATMUL_REGTILE,
+        bias_act: KernelFn<(u64, u64, i32, i32, i32)> = BIAS_ACT,
+        fill: KernelFn<(u64, u64, f32)> = FILL_F32,
+        spin: KernelFn<(u64,)> = SPIN_NS,
+        fill_pattern: KernelFn<(u64, u64, u64, u32)> = FILL_PATTERN_U32,
+        count_mismatches: KernelFn<(u64, u64, u64, u32, u64)> = COUNT_PATTERN_MISMATCHES_U32,
+        affine: KernelFn<(u64, u64, f32, f32)> = AFFINE_F32,
+    }
 }
 
 impl Kernels {
-    /// Loads the module into `ctx` (the driver JIT-compiles the PTX for the device once).
-    pub fn load(ctx: &Arc<CudaContext>) -> Result<Self> {
-        let module = load_module(ctx, PTX)?;
-        Ok(Self {
-            naive: function(&module, abi::MATMUL_NAIVE)?,
-            tiled: function(&module, abi::MATMUL_TILED)?,
-            register_tiled: function(&module, abi::MATMUL_REGTILE)?,
-            bias_act: function(&module, abi::BIAS_ACT)?,
-            fill: function(&module, abi::FILL_F32)?,
-            spin: function(&module, abi::SPIN_NS)?,
-            fill_pattern: function(&module, abi::FILL_PATTERN_U32)?,
-            count_mismatches: function(&module, abi::COUNT_PATTERN_MISMATCHES_U32)?,
-            affine: function(&module, abi::AFFINE_F32)?,
-            module,
-        })
-    }
-
-    /// The module, to load other functions by name for `launch_builder`.
-    pub fn module(&self) -> &Arc<CudaModule> {
-        &self.module
-    }
-
     /// The kernel [`MatmulKernel::Auto`] resolves to for this shape and these buffers.
     pub fn resolve(
         kind: MatmulKernel,

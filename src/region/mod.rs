@@ -33,7 +33,7 @@
 //! Guarantees: nothing is unmapped before the region's fence has waited for the GPU; every
 //! operation is all or nothing; snapshots you hold keep their memory (also across a sleep).
 
-mod book;
+mod allocation_map;
 #[cfg(test)]
 mod proptests;
 mod snapshot;
@@ -47,7 +47,7 @@ use cudarc::driver::{CudaContext, CudaStream, DeviceRepr};
 
 use crate::driver;
 
-use crate::error::{LayoutError, Result};
+use crate::error::{Error, LayoutError, Result};
 use crate::fence::FencePolicy;
 use crate::host::{HostStorage, TransferReport};
 use crate::ids::next_id;
@@ -117,7 +117,7 @@ impl Region {
     /// Reserves `options.capacity` bytes of addresses on `ctx`'s device for tag `tag`.
     pub fn new(ctx: &Arc<CudaContext>, tag: &str, options: RegionOptions) -> Result<Region> {
         if tag.is_empty() {
-            return Err(crate::Error::Layout(LayoutError::EmptyName));
+            return Err(Error::Layout(LayoutError::EmptyName));
         }
         let backend = Vmm::new(ctx);
         let granularity = backend.granularity(false)?;

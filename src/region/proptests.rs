@@ -700,7 +700,7 @@ fn a_set_bound_over_a_longer_allocation_in_the_same_granules_reads_its_own_bytes
         .unwrap();
     assert!(matches!(
         state.snapshot(&fixed, &STREAM, false),
-        Err(crate::Error::Region(RegionError::RegionAsleep { .. }))
+        Err(Error::Region(RegionError::RegionAsleep { .. }))
     ));
     state.wake(&fixed, &STREAM).unwrap();
     read_all("after a pageable sleep, a refused snapshot and a wake");

@@ -39,7 +39,7 @@ impl Offer {
     /// offer; returns the offered group's index.
     pub fn check(
         &self,
-        layout: &crate::Layout,
+        layout: &crate::layout::Layout,
         placement: &crate::layout::Placement,
         uuid: [u8; 16],
     ) -> Result<usize> {
@@ -128,7 +128,7 @@ pub fn send_dataset(socket: &UnixStream, dataset: &Dataset) -> Result<()> {
         layout_fingerprint: dataset.layout_fingerprint(),
         group: dataset.group().to_string(),
         bytes: dataset.bytes() as u64,
-        granularity: crate::vmm::granularity(dataset.context(), true)? as u64,
+        granularity: crate::driver::vmm::granularity(dataset.context(), true)? as u64,
         device_uuid: device_uuid(dataset.context())?,
         dataset: dataset.id(),
     };
@@ -245,7 +245,7 @@ mod tests {
 
     #[test]
     fn offers_for_another_layout_group_size_or_device_are_refused() {
-        let layout = crate::Layout::builder()
+        let layout = crate::layout::Layout::builder()
             .group("weights")
             .input("w", 5 << 20)
             .build()

@@ -20,7 +20,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use bitvec::vec::BitVec;
-use cudarc::driver::{sys, CudaContext, CudaStream, DeviceRepr};
+use cudarc::driver::{sys, CudaContext, CudaStream};
 
 use crate::dataset::{Binder, Dataset};
 use crate::driver::device;
@@ -414,22 +414,14 @@ impl Space {
         SlotView::new(slot.device_ptr(), slot.name(), slot.bytes(), stream)
     }
 
-    /// Copies `data` (exactly the slot's size) into slot `name` through the bound dataset or the
-    /// scratch backing; returns when the copy is done.
-    pub fn write<T: DeviceRepr>(
-        &self,
-        stream: &Arc<CudaStream>,
-        name: &str,
-        data: &[T],
-    ) -> Result<()> {
-        let bytes = self.slot(name)?.bytes();
-        view::write_slot(name, bytes, data, || self.view::<T>(name, stream))
+    fn slot_bytes(&self, name: &str) -> Result<usize> {
+        Ok(self.slot(name)?.bytes())
     }
 
-    /// Copies slot `name` to the host.
-    pub fn read<T: DeviceRepr>(&self, stream: &Arc<CudaStream>, name: &str) -> Result<Vec<T>> {
-        view::read(&self.view::<T>(name, stream)?)
-    }
+    view::slot_copies!(concat!(
+        "Copies `data` (exactly the slot's size) into slot `name` through the bound dataset or ",
+        "the scratch backing; returns when the copy is done."
+    ));
 
     /// Whether the space is asleep (scratch released; see [`Space::sleep`]).
     pub fn is_asleep(&self) -> bool {

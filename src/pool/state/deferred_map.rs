@@ -17,7 +17,7 @@
 
 use super::State;
 use crate::error::{Error, LayoutError, PoolError, Result};
-use crate::pool::backend::{Backend, MappedRange, Waiter};
+use crate::pool::backend::{Backend, MappedRange};
 use crate::pool::events::BlockId;
 use crate::pool::ledger::{ChunkId, TenantId};
 
@@ -100,25 +100,10 @@ impl<B: Backend> State<B> {
             .round(target_len)
             .expect("carved")
             .saturating_sub(moved);
-        let tenant_state = self.tenant(tenant)?;
-        tenant_state.fence.check_not_capturing()?;
-        // The donor may be in use: the GPU must be done with it before it moves.
-        tenant_state.fence.wait()?;
         // The tail's memory first, while the target still holds its own: a refusal changes
         // nothing, and the caller can map the held memory and copy instead.
-        let tail = if tail_bytes > 0 {
-            self.acquire(tenant, tail_bytes, target_info.capacity - moved)?
-        } else {
-            Vec::new()
-        };
-        let tenant_state = self.tenants.get_mut(&tenant).expect("checked above");
-        let donor_segments = std::mem::take(
-            &mut tenant_state
-                .blocks
-                .get_mut(&donor)
-                .expect("checked above")
-                .segments,
-        );
+        let (tail, donor_segments) =
+            self.begin_graft(tenant, donor, tail_bytes, target_info.capacity - moved)?;
         let donor_chunks: Vec<ChunkId> = donor_segments.iter().map(|s| s.chunk).collect();
         let unmapped: Vec<(ChunkId, u64, usize)> = donor_segments
             .iter()

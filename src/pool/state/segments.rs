@@ -2,13 +2,16 @@
 //! from one block to another (grafting).
 
 use super::{Segment, State};
-
-/// The segments a graft maps: the donor's in front, the rest behind.
-pub(super) type GraftRuns<B> = (Vec<Segment<B>>, Vec<Segment<B>>);
 use crate::error::{Error, LayoutError, Result};
 use crate::pool::backend::{Backend, MappedRange, Waiter};
 use crate::pool::events::{BlockId, EventKind};
 use crate::pool::ledger::{ChunkId, TenantId};
+
+/// The segments a graft maps: the donor's in front, the rest behind.
+pub(super) type GraftRuns<B> = (Vec<Segment<B>>, Vec<Segment<B>>);
+/// What [`State::begin_graft`] leaves a graft: the new backing it acquired, and the donor's
+/// segments taken out of its block.
+pub(super) type GraftStart<B> = (Vec<(ChunkId, bool)>, Vec<Segment<B>>);
 
 impl<B: Backend> State<B> {
     /// Maps `chunks` side by side into `block` from `offset` bytes on, with one set-access for
@@ -179,26 +182,15 @@ impl<B: Backend> State<B> {
             .last()
             .map_or(0, |s| s.offset + s.mapping.bytes());
         let filler_bytes = removed_end.saturating_sub(moved);
-        let tenant_state = self.tenant(tenant)?;
-        tenant_state.fence.check_not_capturing()?;
-        // Both blocks may be in use: the GPU must be done with them before anything moves.
-        tenant_state.fence.wait()?;
-        // New backing for the gap first, so a refusal changes nothing.
-        let filler = if filler_bytes > 0 {
-            self.acquire(tenant, filler_bytes, filler_bytes)?
-        } else {
-            Vec::new()
-        };
-        // Unmap the donor's segments and the target's covered ones; their chunks stay held.
-        let tenant_state = self.tenants.get_mut(&tenant).expect("checked above");
-        let donor_segments = std::mem::take(
-            &mut tenant_state
-                .blocks
-                .get_mut(&donor)
-                .expect("checked above")
-                .segments,
-        );
-        let target_block = tenant_state.blocks.get_mut(&target).expect("checked above");
+        // New backing for the gap first, so a refusal changes nothing; then unmap the donor's
+        // segments and the target's covered ones (their chunks stay held).
+        let (filler, donor_segments) =
+            self.begin_graft(tenant, donor, filler_bytes, filler_bytes)?;
+        let target_block = self
+            .tenants
+            .get_mut(&tenant)
+            .and_then(|t| t.blocks.get_mut(&target))
+            .expect("checked above");
         let removed: Vec<Segment<B>> = target_block.segments.drain(..cut).collect();
         let donor_chunks: Vec<ChunkId> = donor_segments.iter().map(|s| s.chunk).collect();
         let removed_chunks: Vec<(ChunkId, usize)> =
@@ -235,6 +227,34 @@ impl<B: Backend> State<B> {
         });
         // The donor is empty now: free its addresses.
         self.free(tenant, donor)
+    }
+
+    /// The start of every graft, once its checks passed: refused during a capture; waits for
+    /// the GPU (both blocks may be in use, and nothing may move under it); acquires `bytes` of
+    /// new backing (`room` the most a stitched plan may take) while nothing has changed, so a
+    /// refusal changes nothing; then takes the donor's segments out of its block. Dropping
+    /// them unmaps them (after the wait); their chunks stay held.
+    pub(super) fn begin_graft(
+        &mut self,
+        tenant: TenantId,
+        donor: BlockId,
+        bytes: usize,
+        room: usize,
+    ) -> Result<GraftStart<B>> {
+        let tenant_state = self.tenant(tenant)?;
+        tenant_state.fence.check_not_capturing()?;
+        tenant_state.fence.wait()?;
+        let backing = if bytes > 0 {
+            self.acquire(tenant, bytes, room)?
+        } else {
+            Vec::new()
+        };
+        let donor_block = self
+            .tenants
+            .get_mut(&tenant)
+            .and_then(|t| t.blocks.get_mut(&donor))
+            .expect("checked by the caller");
+        Ok((backing, std::mem::take(&mut donor_block.segments)))
     }
 
     /// The mapping step of a graft, once the donor's and the target's replaced segments are

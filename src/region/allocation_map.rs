@@ -33,8 +33,10 @@ pub(crate) struct Placement {
     pub backed: bool,
 }
 
+/// A region's live allocations by offset, the granules they take, and how far from offset 0
+/// the consolidated span reaches.
 #[derive(Clone, Debug)]
-pub(crate) struct RegionBook {
+pub(crate) struct AllocationMap {
     granularity: usize,
     granules: GranuleMap,
     allocations: BTreeMap<usize, Allocation>,
@@ -42,7 +44,7 @@ pub(crate) struct RegionBook {
     consolidated: usize,
 }
 
-impl RegionBook {
+impl AllocationMap {
     pub fn new(capacity: usize, granularity: usize) -> Self {
         Self {
             granularity,
@@ -190,55 +192,55 @@ mod tests {
 
     #[test]
     fn allocations_sit_side_by_side_from_the_low_end() {
-        let mut book = RegionBook::new(64 * G, G);
-        let a = book.place(1).unwrap();
-        let b = book.place(3 * G).unwrap();
-        let c = book.place(G + 1).unwrap();
+        let mut map = AllocationMap::new(64 * G, G);
+        let a = map.place(1).unwrap();
+        let b = map.place(3 * G).unwrap();
+        let c = map.place(G + 1).unwrap();
         assert_eq!((a.offset, b.offset, c.offset), (0, G, 4 * G));
         assert_eq!((a.rounded, b.rounded, c.rounded), (G, 3 * G, 2 * G));
         assert!(
             !a.backed && !b.backed && !c.backed,
             "nothing consolidated yet"
         );
-        assert_eq!(book.span_end(), 6 * G);
+        assert_eq!(map.span_end(), 6 * G);
         assert_eq!(
-            book.live_runs(),
+            map.live_runs(),
             [(0, 6 * G)],
             "adjacent allocations form one run"
         );
-        assert_eq!(book.get(b.offset).unwrap().asked, 3 * G);
+        assert_eq!(map.get(b.offset).unwrap().asked, 3 * G);
     }
 
     #[test]
     fn a_freed_hole_is_reused_and_runs_split_around_it() {
-        let mut book = RegionBook::new(64 * G, G);
-        let offsets: Vec<usize> = (0..4).map(|_| book.place(G).unwrap().offset).collect();
-        let (freed, backed) = book.release(offsets[1]).unwrap();
+        let mut map = AllocationMap::new(64 * G, G);
+        let offsets: Vec<usize> = (0..4).map(|_| map.place(G).unwrap().offset).collect();
+        let (freed, backed) = map.release(offsets[1]).unwrap();
         assert_eq!((freed.rounded, backed), (G, false));
-        assert_eq!(book.live_runs(), [(0, G), (2 * G, 2 * G)]);
-        assert_eq!(book.place(G).unwrap().offset, G, "first fit takes the hole");
+        assert_eq!(map.live_runs(), [(0, G), (2 * G, 2 * G)]);
+        assert_eq!(map.place(G).unwrap().offset, G, "first fit takes the hole");
         assert!(
-            book.release(offsets[1] + 1).is_none(),
+            map.release(offsets[1] + 1).is_none(),
             "not an allocation start"
         );
-        assert!(book.release(40 * G).is_none());
+        assert!(map.release(40 * G).is_none());
     }
 
     #[test]
     fn inside_the_consolidated_span_best_fit_wins_and_needs_no_backing() {
-        let mut book = RegionBook::new(64 * G, G);
+        let mut map = AllocationMap::new(64 * G, G);
         let placed: Vec<usize> = [2, 1, 3, 1]
             .iter()
-            .map(|&n| book.place(n * G).unwrap().offset)
+            .map(|&n| map.place(n * G).unwrap().offset)
             .collect();
-        book.set_consolidated(book.span_end());
-        book.release(placed[0]); // 2-granule hole at 0
-        book.release(placed[2]); // 3-granule hole at 3G
-        let p = book.place(2 * G).unwrap();
+        map.set_consolidated(map.span_end());
+        map.release(placed[0]); // 2-granule hole at 0
+        map.release(placed[2]); // 3-granule hole at 3G
+        let p = map.place(2 * G).unwrap();
         assert_eq!((p.offset, p.backed), (0, true), "the 2-hole fits exactly");
-        let q = book.place(G).unwrap();
+        let q = map.place(G).unwrap();
         assert_eq!((q.offset, q.backed), (3 * G, true));
-        let r = book.place(3 * G).unwrap();
+        let r = map.place(3 * G).unwrap();
         assert_eq!(
             (r.offset, r.backed),
             (7 * G, false),
@@ -248,41 +250,38 @@ mod tests {
 
     #[test]
     fn a_run_straddling_the_span_end_is_used_only_past_it() {
-        let mut book = RegionBook::new(16 * G, G);
-        let a = book.place(4 * G).unwrap();
-        book.set_consolidated(4 * G);
-        book.release(a.offset);
-        let big = book.place(6 * G).unwrap();
+        let mut map = AllocationMap::new(16 * G, G);
+        let a = map.place(4 * G).unwrap();
+        map.set_consolidated(4 * G);
+        map.release(a.offset);
+        let big = map.place(6 * G).unwrap();
         assert_eq!((big.offset, big.backed), (4 * G, false));
-        let small = book.place(G).unwrap();
+        let small = map.place(G).unwrap();
         assert_eq!((small.offset, small.backed), (0, true));
     }
 
     #[test]
     fn containing_finds_the_allocation_of_any_inner_byte() {
-        let mut book = RegionBook::new(16 * G, G);
-        book.place(G).unwrap();
-        let b = book.place(3 * G).unwrap();
-        assert_eq!(
-            book.containing(b.offset + 5).map(|(o, _)| o),
-            Some(b.offset)
-        );
-        assert_eq!(book.containing(4 * G - 1).map(|(o, _)| o), Some(b.offset));
-        assert_eq!(book.containing(4 * G), None);
+        let mut map = AllocationMap::new(16 * G, G);
+        map.place(G).unwrap();
+        let b = map.place(3 * G).unwrap();
+        assert_eq!(map.containing(b.offset + 5).map(|(o, _)| o), Some(b.offset));
+        assert_eq!(map.containing(4 * G - 1).map(|(o, _)| o), Some(b.offset));
+        assert_eq!(map.containing(4 * G), None);
     }
 
     #[test]
     fn fingerprints_follow_offsets_and_sizes_only() {
-        let mut a = RegionBook::new(16 * G, G);
-        let mut b = RegionBook::new(32 * G, G);
-        for book in [&mut a, &mut b] {
-            book.place(G + 3).unwrap();
-            book.place(5).unwrap();
+        let mut a = AllocationMap::new(16 * G, G);
+        let mut b = AllocationMap::new(32 * G, G);
+        for map in [&mut a, &mut b] {
+            map.place(G + 3).unwrap();
+            map.place(5).unwrap();
         }
         assert_eq!(a.fingerprint(), b.fingerprint());
         b.place(1).unwrap();
         assert_ne!(a.fingerprint(), b.fingerprint());
-        let mut c = RegionBook::new(16 * G, G);
+        let mut c = AllocationMap::new(16 * G, G);
         c.place(G + 4).unwrap();
         c.place(5).unwrap();
         assert_ne!(a.fingerprint(), c.fingerprint(), "the asked size counts");
@@ -290,12 +289,12 @@ mod tests {
 
     #[test]
     fn full_capacity_reports_the_largest_run_and_changes_nothing() {
-        let mut book = RegionBook::new(4 * G, G);
-        book.place(G).unwrap();
-        book.place(2 * G).unwrap();
-        assert_eq!(book.place(2 * G), Err(G));
-        assert_eq!(book.allocated(), (2, 3 * G));
-        assert_eq!(book.place(0), Err(0), "zero bytes is not an allocation");
+        let mut map = AllocationMap::new(4 * G, G);
+        map.place(G).unwrap();
+        map.place(2 * G).unwrap();
+        assert_eq!(map.place(2 * G), Err(G));
+        assert_eq!(map.allocated(), (2, 3 * G));
+        assert_eq!(map.place(0), Err(0), "zero bytes is not an allocation");
     }
 
     #[test]
@@ -307,26 +306,26 @@ mod tests {
             state ^= state << 17;
             state
         };
-        let mut book = RegionBook::new(128 * G, G);
+        let mut map = AllocationMap::new(128 * G, G);
         let mut live: Vec<usize> = Vec::new();
         for step in 0..5_000 {
             match next() % 5 {
                 0 if !live.is_empty() => {
                     let offset = live.swap_remove(next() as usize % live.len());
-                    assert!(book.release(offset).is_some());
+                    assert!(map.release(offset).is_some());
                 }
-                1 if step % 97 == 0 => book.set_consolidated(book.span_end()),
+                1 if step % 97 == 0 => map.set_consolidated(map.span_end()),
                 _ => {
                     let bytes = (next() % (6 * G as u64)) as usize + 1;
-                    if let Ok(p) = book.place(bytes) {
-                        assert_eq!(p.backed, p.offset + p.rounded <= book.consolidated());
+                    if let Ok(p) = map.place(bytes) {
+                        assert_eq!(p.backed, p.offset + p.rounded <= map.consolidated());
                         live.push(p.offset);
                     }
                 }
             }
             let mut spans: Vec<(usize, usize)> = live
                 .iter()
-                .map(|&o| (o, book.get(o).unwrap().rounded))
+                .map(|&o| (o, map.get(o).unwrap().rounded))
                 .collect();
             spans.sort();
             assert!(
@@ -334,8 +333,8 @@ mod tests {
                 "overlap"
             );
             assert!(spans.last().is_none_or(|&(o, l)| o + l <= 128 * G));
-            let runs_total: usize = book.live_runs().iter().map(|r| r.1).sum();
-            assert_eq!(runs_total, book.allocated().1);
+            let runs_total: usize = map.live_runs().iter().map(|r| r.1).sum();
+            assert_eq!(runs_total, map.allocated().1);
         }
     }
 }
