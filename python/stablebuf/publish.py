@@ -87,6 +87,8 @@ __all__ = [
     "PollStatus",
     "PublishError",
     "PublishTimeout",
+    "RemoteEngine",
+    "RemoteTrainer",
     "Trainer",
     "VersionConflict",
 ]
@@ -122,6 +124,11 @@ def manifest_entries(tag: str, base: int, named: Mapping[str, Any]) -> List[Entr
             )
         )
     return entries
+
+
+def _entries_of(tag: str, named: Mapping[str, Any]) -> List[Entry]:
+    """The manifest entries of ``named`` (name → tensor), every one in region ``tag``."""
+    return manifest_entries(tag, _native.region_base(tag), named)
 
 
 def torch_start_min(group: Any) -> StartMin:
@@ -871,3 +878,22 @@ class Trainer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+# Cross-node sync over NCCL (issue 42; stablebuf._nccl_sync): loaded on first use.
+_LAZY: Dict[str, Any] = {}
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("RemoteEngine", "RemoteTrainer", "control_store", "PairGroup"):
+        if name not in _LAZY:
+            from . import _nccl_sync
+
+            _LAZY["RemoteEngine"] = _nccl_sync.make_remote_engine_class(
+                Engine, _tensors_of, _entries_of, torch_start_min
+            )
+            _LAZY["RemoteTrainer"] = _nccl_sync.RemoteTrainer
+            _LAZY["control_store"] = _nccl_sync.control_store
+            _LAZY["PairGroup"] = _nccl_sync.PairGroup
+        return _LAZY[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,172 @@
+"""CPU tests of issue 42's pure parts (stablebuf._remote): the byte ranges a transfer moves,
+the stall watch, and the control protocol between a remote trainer and an engine rank, over a
+dictionary store (TCPStore's set/get/check/add)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import stablebuf.publish
+from stablebuf._manifest import Entry
+from stablebuf._remote import (
+    ControlTimeout,
+    EngineControl,
+    Keys,
+    TrainerControl,
+    Watch,
+    entry_spans,
+    overlaps,
+    plan_ranges,
+    wait_key,
+)
+
+
+class DictStore:
+    def __init__(self):
+        self.data = {}
+        self.calls = 0
+
+    def set(self, key, value):
+        self.calls += 1
+        self.data[key] = value.encode() if isinstance(value, str) else bytes(value)
+
+    def get(self, key):
+        self.calls += 1
+        if key not in self.data:
+            raise AssertionError(f"get of a missing key {key}: the engine must check first")
+        return self.data[key]
+
+    def check(self, keys):
+        self.calls += 1
+        return all(k in self.data for k in keys)
+
+    def add(self, key, n):
+        self.calls += 1
+        value = int(self.data.get(key, b"0")) + n
+        self.data[key] = str(value).encode()
+        return value
+
+
+class Op:
+    def __init__(self, done=False, error=None, raises=None):
+        self.done, self.error, self.raises = done, error, raises
+
+    def is_completed(self):
+        if self.raises:
+            raise self.raises
+        return self.done
+
+    def exception(self):
+        return self.error
+
+
+def test_ranges_merge_spans_leave_gaps_and_cut_chunks():
+    assert plan_ranges([(0, 10), (10, 20), (30, 35), (5, 8), (40, 40)], 8) == [
+        (0, 8), (8, 16), (16, 20), (30, 35)]
+    assert plan_ranges([], 4) == []
+    with pytest.raises(ValueError):
+        plan_ranges([(0, 1)], 0)
+
+
+def test_entry_spans_and_overlaps():
+    a = Entry("a", 0, (4,), (1,), "float32")  # bytes 0..16
+    b = Entry("b", 32, (2, 2), (2, 1), "bfloat16")  # bytes 32..40
+    e = Entry("e", 0, (0,), (1,), "float32")
+    assert entry_spans([a, b, e]) == [(0, 16), (32, 40)]
+    assert [(x.name, lo, hi) for x, lo, hi in overlaps([a, b, e], (8, 36))] == [
+        ("a", 8, 16), ("b", 32, 36)]
+
+
+def test_watch_done_waiting_stalled_failed():
+    ops = [Op(), Op()]
+    w = Watch(ops, stall_timeout=1.0, started=0.0)
+    assert w.check(0.5) == "waiting"
+    ops[0].done = True
+    assert w.check(0.9) == "waiting" and w.first_open == 1
+    assert w.check(1.8) == "waiting"  # progress at 0.9: the stall clock restarted
+    assert w.check(2.0) == "stalled" and "no progress" in w.failure
+    assert w.check(2.1) == "failed"  # stays failed
+
+    ops = [Op(done=True), Op(done=True)]
+    w = Watch(ops, 1.0, 0.0)
+    assert w.check(0.1) == "done" and w.finished == 0.1 and w.check(5.0) == "done"
+
+    w = Watch([Op(done=True, error=RuntimeError("NCCL error"))], 1.0, 0.0)
+    assert w.check(0.1) == "failed" and "NCCL error" in w.failure
+    w = Watch([Op(raises=RuntimeError("aborted"))], 1.0, 0.0)
+    assert w.check(0.1) == "failed" and "aborted" in w.failure
+
+
+def test_protocol_round_trip_join_offer_ready_done_leave():
+    store = DictStore()
+    engine = EngineControl(store, "sync/tp0", '{"m": 1}')
+    assert engine.look() is None
+    trainer = TrainerControl(store, "sync/tp0")
+    assert trainer.manifest(None) == '{"m": 1}'
+    assert trainer.join('{"pid": 1}') == 1
+    assert engine.look() == ("join", 1)
+    assert engine.look() is None  # not joined yet: no offers read
+    engine.joined(1, last=7)
+    assert trainer.wait_joined(None) == 7
+    seq = trainer.offer(8)
+    kind, offer = engine.look()
+    assert kind == "offer" and (offer.epoch, offer.seq, offer.version) == (1, 1, 8)
+    engine.ready(offer, [(0, 4), (8, 12)])
+    assert engine.look() is None  # the next offer is seq 2
+    assert trainer.wait_ready(seq, None) == ([(0, 4), (8, 12)], "")
+    engine.done(offer, "received")
+    assert trainer.wait_done(seq, None) == "received"
+    seq2 = trainer.offer(8)
+    _, offer2 = engine.look()
+    engine.refuse(offer2, "version 8 is not newer than version 8")
+    assert trainer.wait_ready(seq2, None) == (None, "version 8 is not newer than version 8")
+    trainer.leave()
+    assert engine.look() == ("leave", 1)
+
+
+def test_newest_trainer_wins_and_a_dropped_trainer_hears_it():
+    store = DictStore()
+    engine = EngineControl(store, "p", "{}")
+    first = TrainerControl(store, "p")
+    first.join()
+    assert engine.look() == ("join", 1)
+    engine.joined(1, 0)
+    # Two trainers join before the engine looks: it takes the newest only.
+    TrainerControl(store, "p").join()
+    third = TrainerControl(store, "p")
+    third.join()
+    assert engine.look() == ("join", 3)
+    engine.drop(1, "a newer trainer (epoch 3) joined")
+    assert first.dropped() == "a newer trainer (epoch 3) joined"
+    with pytest.raises(ConnectionError, match="newer trainer"):
+        first.wait_ready(first.offer(1), None)
+    assert engine.epoch == 0
+    engine.joined(3, 0)
+    assert third.wait_joined(None) == 0
+
+
+def test_engine_never_gets_a_missing_key_and_trainer_waits_time_out():
+    store = DictStore()
+    engine = EngineControl(store, "p", "{}")
+    t = TrainerControl(store, "p")
+    t.join()
+    store.data.pop(Keys("p").join(1))  # the add done, the join key not yet set
+    assert engine.look() is None  # checked, not read
+    clock = iter([0.0, 0.5, 1.0, 1.5, 2.5, 3.0])
+    with pytest.raises(ControlTimeout, match="the thing"):
+        wait_key(store, "p/none", 2.0, "the thing", clock=lambda: next(clock), sleep=lambda s: None)
+
+
+def test_keys_layout():
+    k = Keys("sync/tp1/")
+    assert k.offer(3, 2) == "sync/tp1/offer/3/2" and k.epoch() == "sync/tp1/epoch"
+    assert json.loads('{"ranges": [[0, 4]]}')["ranges"] == [[0, 4]]
+
+
+def test_publish_lists_the_remote_classes_without_importing_torch():
+    assert "RemoteEngine" in stablebuf.publish.__all__
+    assert "RemoteTrainer" in stablebuf.publish.__all__
+    with pytest.raises(AttributeError):
+        stablebuf.publish.NoSuchThing  # noqa: B018
