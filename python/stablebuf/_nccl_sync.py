@@ -49,6 +49,7 @@ from ._remote import (
     TrainerControl,
     Watch,
     entry_spans,
+    operation_error,
     overlaps,
     plan_ranges,
 )
@@ -135,7 +136,7 @@ def _poll_done(work: Any, deadline: float) -> None:
         if time.monotonic() > deadline:
             raise PublishTimeout("the peer's communicator did not come up in time")
         time.sleep(0.001)
-    error = work.exception() if hasattr(work, "exception") else None
+    error = operation_error(work)
     if error is not None:
         raise PublishError(f"the warm-up broadcast failed: {error}")
 

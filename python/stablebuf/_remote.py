@@ -131,10 +131,27 @@ def wait_key(
         pause = min(pause * 2, 0.02)
 
 
+def operation_error(op: Any) -> Optional[BaseException]:
+    """The error a *completed* operation ended with, or None. torch's ``Work.exception()``
+    cannot return to Python (torch 2.11: pybind11 has no converter for
+    ``std::exception_ptr`` and raises TypeError even for a success), so an operation with
+    ``wait()`` (a torch.distributed Work) is asked through it: it returns at once for a
+    completed operation and raises the operation's error. Others answer ``exception()``."""
+    wait = getattr(op, "wait", None)
+    if wait is not None:
+        try:
+            wait()
+        except Exception as error:  # noqa: BLE001 - the operation's own failure
+            return error
+        return None
+    exception = getattr(op, "exception", None)
+    return exception() if exception is not None else None
+
+
 @dataclass
 class Watch:
     """One transfer's operations (objects with ``is_completed()``, which may raise for a
-    failed one, and optionally ``exception()``), done in order. :meth:`check` says where it
+    failed one, and ``wait()`` or ``exception()``: :func:`operation_error`), done in order. :meth:`check` says where it
     stands: ``"done"``, ``"waiting"``, ``"stalled"`` (no operation completed for
     ``stall_timeout`` seconds since the last did, or since the start) or ``"failed"``."""
 
@@ -158,7 +175,7 @@ class Watch:
             op = self.operations[self.first_open]
             try:
                 completed = bool(op.is_completed())
-                error = op.exception() if completed and hasattr(op, "exception") else None
+                error = operation_error(op) if completed else None
             except Exception as raised:  # noqa: BLE001 - the operation's own failure
                 self.failure = f"{type(raised).__name__}: {raised}"
                 return "failed"

@@ -17,6 +17,7 @@ from stablebuf._remote import (
     TrainerControl,
     Watch,
     entry_spans,
+    operation_error,
     overlaps,
     plan_ranges,
     wait_key,
@@ -170,3 +171,32 @@ def test_publish_lists_the_remote_classes_without_importing_torch():
     assert "RemoteTrainer" in stablebuf.publish.__all__
     with pytest.raises(AttributeError):
         stablebuf.publish.NoSuchThing  # noqa: B018
+
+
+class TorchLikeWork:
+    """A torch.distributed Work as torch 2.11 has it: ``exception()`` cannot be converted
+    (TypeError), ``wait()`` raises the operation's error."""
+
+    def __init__(self, error=None):
+        self.error = error
+
+    def is_completed(self):
+        return True
+
+    def exception(self):
+        raise TypeError("Unable to convert function return value to a Python type!")
+
+    def wait(self):
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+def test_a_completed_torch_work_is_asked_through_wait_not_exception():
+    assert operation_error(TorchLikeWork()) is None
+    failure = RuntimeError("NCCL error: remote process exited")
+    assert operation_error(TorchLikeWork(failure)) is failure
+    watch = Watch([TorchLikeWork(), TorchLikeWork()], stall_timeout=1.0, started=0.0)
+    assert watch.check(0.1) == "done"
+    watch = Watch([TorchLikeWork(), TorchLikeWork(failure)], stall_timeout=1.0, started=0.0)
+    assert watch.check(0.1) == "failed" and "remote process exited" in watch.failure
