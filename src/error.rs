@@ -47,6 +47,11 @@ pub enum Error {
     #[error(transparent)]
     Share(#[from] ShareError),
 
+    /// A KV cache ([`KvCache`](crate::kv::KvCache)) refused an operation: a sequence slot or
+    /// length out of range, a write past a sequence's length, or the cache is asleep.
+    #[error(transparent)]
+    Kv(#[from] KvError),
+
     /// An operating-system call failed: a socket call, or writing a timeline file.
     #[error("{call}: {source}")]
     Io {
@@ -443,6 +448,71 @@ pub enum RegionError {
         /// What differs (another region, another span, ...), in words.
         reason: String,
     },
+}
+
+/// A KV cache refused an operation. Nothing changed: the cache is as it was before the call.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum KvError {
+    /// A sequence slot past the cache's `max_batch`.
+    #[error("sequence {seq} does not exist (max_batch {max_batch})")]
+    NoSuchSequence {
+        /// The slot asked for.
+        seq: usize,
+        /// Slots the cache has (`0..max_batch`).
+        max_batch: usize,
+    },
+
+    /// A length past the cache's `max_len`.
+    #[error("sequence {seq}: {asked} tokens asked, the cache holds at most {max_len}")]
+    BeyondMaxLen {
+        /// The sequence.
+        seq: usize,
+        /// Tokens asked for.
+        asked: usize,
+        /// Tokens per sequence the cache reserved.
+        max_len: usize,
+    },
+
+    /// A write to tokens `[first, end)` of a sequence reaches past its length: those tokens are
+    /// not backed (or read-only zeros); grow the sequence first.
+    #[error("sequence {seq}: write to tokens {first}..{end} past its length {length}")]
+    WritePastLength {
+        /// The sequence.
+        seq: usize,
+        /// First token written.
+        first: usize,
+        /// One past the last token written.
+        end: usize,
+        /// The sequence's length.
+        length: usize,
+    },
+
+    /// A prefix can only be shared into an empty sequence slot (release it first).
+    #[error("sequence {seq} holds {length} tokens: share a prefix into an empty slot")]
+    NotEmpty {
+        /// The target sequence.
+        seq: usize,
+        /// Its length.
+        length: usize,
+    },
+
+    /// A shared prefix longer than the source sequence, or a sequence shared with itself.
+    #[error("cannot share {tokens} tokens of sequence {from} (length {length}) into {to}")]
+    BadPrefix {
+        /// The source sequence.
+        from: usize,
+        /// The target sequence.
+        to: usize,
+        /// Tokens asked for.
+        tokens: usize,
+        /// The source's length.
+        length: usize,
+    },
+
+    /// The cache is asleep: its physical memory is released. Wake it first.
+    #[error("the KV cache is asleep: wake it first")]
+    Asleep,
 }
 
 /// Sharing with another process failed: the wire protocol, the peer's answer, or what it offered.

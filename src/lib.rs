@@ -150,6 +150,7 @@ pub mod host;
 mod ids;
 #[cfg(feature = "demo-kernels")]
 pub mod kernels;
+pub mod kv;
 pub mod layout;
 mod pipeline;
 pub mod pool;

@@ -98,6 +98,30 @@ pub(crate) fn copy_device(
     })
 }
 
+/// Enqueues a fill of `[target, target + bytes)` with zero bytes on `stream` (`cuMemsetD8Async`).
+#[cfg_attr(any(test, feature = "fault-injection"), track_caller)]
+pub(crate) fn fill_zero(stream: &CudaStream, target: sys::CUdeviceptr, bytes: usize) -> Result<()> {
+    bind_context(stream.context())?;
+    traced_raw("cuMemsetD8Async", bytes, || {
+        // SAFETY: callers pass a range inside live read-write mappings they hold, kept mapped
+        // until the stream is fenced.
+        unsafe { sys::cuMemsetD8Async(target, 0, bytes, stream.cu_stream()) }
+    })
+}
+
+/// Copies `data` from the host to `target` on `stream` and waits for it, so `data` may go at
+/// once (`cuMemcpyHtoDAsync` from pageable memory, then `cuStreamSynchronize`).
+#[cfg_attr(any(test, feature = "fault-injection"), track_caller)]
+pub(crate) fn write_device(
+    stream: &CudaStream,
+    target: sys::CUdeviceptr,
+    data: &[u8],
+) -> Result<()> {
+    bind_context(stream.context())?;
+    host::copy_to_device(stream, target, data.as_ptr(), data.len())?;
+    synchronize_stream(stream)
+}
+
 #[cfg_attr(any(test, feature = "fault-injection"), track_caller)]
 pub(crate) fn synchronize_context(ctx: &CudaContext) -> Result<()> {
     traced("cuCtxSynchronize", 0, || ctx.synchronize())

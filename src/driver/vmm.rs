@@ -377,6 +377,53 @@ impl Mapping {
         Ok(made)
     }
 
+    /// `physical` mapped whole `count` times side by side from `reservation`'s base + `offset`,
+    /// then ONE `cuMemSetAccess` granting `access_devices` read access only over the run: the
+    /// same physical memory at many addresses (the KV cache's shared zero granule under every
+    /// range not backed yet), which kernels may read and never write. All or nothing.
+    pub(crate) fn read_only_run(
+        reservation: &Arc<Reservation>,
+        offset: usize,
+        physical: &Arc<Physical>,
+        count: usize,
+        access_devices: &[usize],
+    ) -> Result<Vec<Self>> {
+        let total = physical.bytes().checked_mul(count);
+        let fits = |total: usize| {
+            total > 0
+                && offset
+                    .checked_add(total)
+                    .is_some_and(|end| end <= reservation.bytes())
+        };
+        let Some(total) = total.filter(|&t| fits(t)) else {
+            return Err(Error::Layout(LayoutError::InvalidShape(format!(
+                "mapping {count} read-only copies of {} bytes at offset {offset} of a {} byte \
+                 reservation",
+                physical.bytes(),
+                reservation.bytes()
+            ))));
+        };
+        let mut made: Vec<Self> = Vec::with_capacity(count);
+        for i in 0..count {
+            let at = offset + i * physical.bytes();
+            made.push(Self::map_only(
+                reservation,
+                at,
+                physical,
+                0,
+                physical.bytes(),
+            )?);
+        }
+        let start = reservation.base() + offset as u64;
+        set_access_flags(
+            start,
+            total,
+            access_devices,
+            sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ,
+        )?;
+        Ok(made)
+    }
+
     /// The reservation this mapping lives in.
     pub(crate) fn reservation(&self) -> &Arc<Reservation> {
         &self.reservation
@@ -425,13 +472,29 @@ impl Mapping {
 /// Grants read-write access to `devices` over `[ptr, ptr + bytes)`, which the caller has fully
 /// mapped (one mapping, or several side by side) with mappings it owns.
 fn set_access(ptr: sys::CUdeviceptr, bytes: usize, devices: &[usize]) -> Result<()> {
+    set_access_flags(
+        ptr,
+        bytes,
+        devices,
+        sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    )
+}
+
+/// Grants `flags` (read-write, or read only) to `devices` over `[ptr, ptr + bytes)`, which the
+/// caller has fully mapped with mappings it owns.
+fn set_access_flags(
+    ptr: sys::CUdeviceptr,
+    bytes: usize,
+    devices: &[usize],
+    flags: sys::CUmemAccess_flags,
+) -> Result<()> {
     let descriptors: Vec<sys::CUmemAccessDesc> = devices
         .iter()
         .map(|&ordinal| {
             // SAFETY: a plain C struct for which all-zero bytes are valid.
             let mut desc: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
             desc.location = device_location(ordinal as i32);
-            desc.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+            desc.flags = flags;
             desc
         })
         .collect();

@@ -79,6 +79,16 @@ pub(crate) trait Backend: Clone + Send + Sync + Debug + 'static {
         memory: &Arc<Self::Memory>,
         bytes: usize,
     ) -> Result<Self::Mapping>;
+    /// `memory` mapped whole `count` times side by side from `offset` in `reservation`, with
+    /// read-only access over the run (one set-access): the same physical memory at many
+    /// addresses, which kernels may read and a write to which faults. All or nothing.
+    fn map_read_only(
+        &self,
+        reservation: &Self::Reservation,
+        offset: usize,
+        memory: &Arc<Self::Memory>,
+        count: usize,
+    ) -> Result<Vec<Self::Mapping>>;
     /// `memory` mapped whole at a fresh reservation of its own (a private address for it).
     fn map_alone(&self, memory: &Arc<Self::Memory>) -> Result<(Self::Reservation, Self::Mapping)>;
     fn fence(&self, policy: FencePolicy) -> Self::Fence;
@@ -90,6 +100,10 @@ pub(crate) trait Backend: Clone + Send + Sync + Debug + 'static {
         destination: u64,
         bytes: usize,
     ) -> Result<()>;
+    /// Enqueues a fill of `[destination, destination + bytes)` with zeros on `stream`.
+    fn fill_zero(&self, stream: &Self::Stream, destination: u64, bytes: usize) -> Result<()>;
+    /// Copies `data` from the host to `destination` on `stream`; returns once it is there.
+    fn write_host(&self, stream: &Self::Stream, destination: u64, data: &[u8]) -> Result<()>;
     fn synchronize(&self, stream: &Self::Stream) -> Result<()>;
     /// Waits for all work on the device.
     fn synchronize_device(&self) -> Result<()>;

@@ -39,6 +39,10 @@ pub(crate) enum Call {
     Export,
     /// `cuMemImportFromShareableHandle`: the other process's side.
     Import,
+    /// `cuMemsetD8Async`.
+    Fill,
+    /// Host to device outside a wake (`cuMemcpyHtoDAsync` of a small buffer).
+    Write,
 }
 
 /// A mapped range of the fake address space.
@@ -46,6 +50,8 @@ pub(crate) enum Call {
 struct Mapped {
     bytes: usize,
     chunk: Weak<FakeChunk>,
+    /// Mapped with read access only: a write through it faults.
+    read_only: bool,
 }
 
 #[derive(Debug, Default)]
@@ -97,6 +103,16 @@ impl Inner {
     /// or a kernel may run across them, which is what stitching relies on); `None` where any
     /// byte of the range is unmapped, where the real GPU would fault.
     fn resolve(&self, address: u64, bytes: usize) -> Option<Vec<(Arc<FakeChunk>, usize, usize)>> {
+        self.resolve_for(address, bytes, false)
+    }
+
+    /// [`Inner::resolve`]; with `writing`, `None` also where any byte is mapped read-only.
+    fn resolve_for(
+        &self,
+        address: u64,
+        bytes: usize,
+        writing: bool,
+    ) -> Option<Vec<(Arc<FakeChunk>, usize, usize)>> {
         let mapped = self.mapped.lock().unwrap();
         let end = address + bytes as u64;
         let mut at = address;
@@ -104,7 +120,7 @@ impl Inner {
         while at < end {
             let (&start, entry) = mapped.range(..=at).next_back()?;
             let entry_end = start + entry.bytes as u64;
-            if entry_end <= at {
+            if entry_end <= at || (writing && entry.read_only) {
                 return None;
             }
             let upto = entry_end.min(end);
@@ -119,6 +135,16 @@ impl Inner {
     }
 
     fn map(&self, ptr: u64, chunk: &Arc<FakeChunk>, bytes: usize) -> Result<()> {
+        self.map_with(ptr, chunk, bytes, false)
+    }
+
+    fn map_with(
+        &self,
+        ptr: u64,
+        chunk: &Arc<FakeChunk>,
+        bytes: usize,
+        read_only: bool,
+    ) -> Result<()> {
         let mut mapped = self.mapped.lock().unwrap();
         let end = ptr + bytes as u64;
         let overlaps = mapped
@@ -141,6 +167,7 @@ impl Inner {
             Mapped {
                 bytes,
                 chunk: Arc::downgrade(chunk),
+                read_only,
             },
         );
         Ok(())
@@ -250,10 +277,21 @@ impl Fake {
         Some(data)
     }
 
+    /// The id of the chunk mapped at `address` and whether it is mapped read-only; `None` if
+    /// the address is unmapped. Two addresses with the same id share physical memory.
+    pub(crate) fn chunk_at(&self, address: u64) -> Option<(u64, bool)> {
+        let mapped = self.inner.mapped.lock().unwrap();
+        let (&start, entry) = mapped.range(..=address).next_back()?;
+        if start + entry.bytes as u64 <= address {
+            return None;
+        }
+        Some((entry.chunk.upgrade()?.id, entry.read_only))
+    }
+
     /// Writes `data` at `address` (a kernel writing it); `false` where the real GPU would
     /// fault, and then nothing is written.
     pub(crate) fn write(&self, address: u64, data: &[u8]) -> bool {
-        let Some(pieces) = self.inner.resolve(address, data.len()) else {
+        let Some(pieces) = self.inner.resolve_for(address, data.len(), true) else {
             return false;
         };
         let mut from = 0;
@@ -596,6 +634,48 @@ impl Backend for Fake {
         Ok(mapping)
     }
 
+    fn map_read_only(
+        &self,
+        reservation: &FakeRange,
+        offset: usize,
+        memory: &Arc<FakeChunk>,
+        count: usize,
+    ) -> Result<Vec<FakeMapping>> {
+        let bytes = memory.bytes;
+        let fits = count > 0
+            && bytes
+                .checked_mul(count)
+                .and_then(|total| total.checked_add(offset))
+                .is_some_and(|end| end <= reservation.bytes);
+        if !fits {
+            return Err(Error::Layout(LayoutError::InvalidShape(format!(
+                "fake: {count} read-only copies of {bytes} bytes at offset {offset} of a {} byte \
+                 reservation",
+                reservation.bytes
+            ))));
+        }
+        let mut made = Vec::with_capacity(count);
+        for i in 0..count {
+            if self.inner.call(Call::Map) {
+                return Err(Self::driver_error("cuMemMap", bytes));
+            }
+            let ptr = reservation.base + (offset + i * bytes) as u64;
+            self.inner.map_with(ptr, memory, bytes, true)?;
+            self.inner.live_mappings.fetch_add(1, Ordering::SeqCst);
+            made.push(FakeMapping {
+                ptr,
+                bytes,
+                memory: memory.clone(),
+                inner: self.inner.clone(),
+                leaked: false,
+            });
+        }
+        if self.inner.call(Call::Access) {
+            return Err(Self::driver_error("cuMemSetAccess", bytes * count));
+        }
+        Ok(made)
+    }
+
     fn map_alone(&self, memory: &Arc<FakeChunk>) -> Result<(FakeRange, FakeMapping)> {
         let range = self.reserve(memory.bytes, self.inner.granularity)?;
         let mapping = self.map(&range, 0, memory, memory.bytes)?;
@@ -633,6 +713,34 @@ impl Backend for Fake {
         self.enqueue(stream, source, bytes);
         self.enqueue(stream, destination, bytes);
         Ok(())
+    }
+
+    fn fill_zero(&self, stream: &FakeStream, destination: u64, bytes: usize) -> Result<()> {
+        if self.inner.call(Call::Fill) {
+            return Err(Self::driver_error("cuMemsetD8Async", bytes));
+        }
+        if !self.write(destination, &vec![0; bytes]) {
+            self.inner.violation(format!(
+                "memset of unmapped or read-only {destination:#x} ({bytes} bytes)"
+            ));
+            return Err(Self::driver_error("cuMemsetD8Async", bytes));
+        }
+        self.enqueue(stream, destination, bytes);
+        Ok(())
+    }
+
+    fn write_host(&self, stream: &FakeStream, destination: u64, data: &[u8]) -> Result<()> {
+        if self.inner.call(Call::Write) {
+            return Err(Self::driver_error("cuMemcpyHtoDAsync", data.len()));
+        }
+        if !self.write(destination, data) {
+            self.inner.violation(format!(
+                "write to unmapped or read-only {destination:#x} ({} bytes)",
+                data.len()
+            ));
+            return Err(Self::driver_error("cuMemcpyHtoDAsync", data.len()));
+        }
+        self.synchronize(stream)
     }
 
     fn synchronize(&self, stream: &FakeStream) -> Result<()> {

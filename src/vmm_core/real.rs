@@ -124,6 +124,16 @@ impl Backend for Vmm {
         Mapping::new(reservation, offset, memory, 0, bytes, &self.access)
     }
 
+    fn map_read_only(
+        &self,
+        reservation: &Self::Reservation,
+        offset: usize,
+        memory: &Arc<Self::Memory>,
+        count: usize,
+    ) -> Result<Vec<Self::Mapping>> {
+        Mapping::read_only_run(reservation, offset, memory, count, &self.access)
+    }
+
     fn map_alone(&self, memory: &Arc<Self::Memory>) -> Result<(Self::Reservation, Self::Mapping)> {
         let mapping = Mapping::alone(&self.ctx, memory, &self.access)?;
         Ok((mapping.reservation().clone(), mapping))
@@ -141,6 +151,14 @@ impl Backend for Vmm {
         bytes: usize,
     ) -> Result<()> {
         driver::copy_device(stream, source, destination, bytes)
+    }
+
+    fn fill_zero(&self, stream: &Self::Stream, destination: u64, bytes: usize) -> Result<()> {
+        driver::fill_zero(stream, destination, bytes)
+    }
+
+    fn write_host(&self, stream: &Self::Stream, destination: u64, data: &[u8]) -> Result<()> {
+        driver::write_device(stream, destination, data)
     }
 
     fn synchronize(&self, stream: &Self::Stream) -> Result<()> {

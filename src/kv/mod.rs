@@ -1,0 +1,234 @@
+//! KV caches on stable addresses: per-sequence K and V rows whose memory follows the tokens,
+//! under a decode graph captured once at `max_batch` (issue 45).
+//!
+//! Each layer's K and V are one reserved range of `max_batch` rows of `max_len` tokens,
+//! token-major per sequence (`[seq, token, kv_head, dim]`), so any kernel that takes a base
+//! pointer and a sequence stride reads them (vAttention's layout). Physical 2 MiB granules are
+//! mapped into a row as its sequence grows ([`KvCache::grow`], ahead of need by
+//! [`KvOptions::ahead_tokens`]) and go to a free list on [`KvCache::release`], where the next
+//! request in any slot reuses them without a `cuMemCreate`.
+//!
+//! Never a fault: every granule-sized range not backed by data maps ONE shared zero granule,
+//! read-only. A kernel that reads past a sequence's length (SDPA with a mask over `max_len`)
+//! reads zeros; one that reads only valid tokens takes them from
+//! [`KvCache::lengths_device_ptr`] (`u32` per slot, refreshed by
+//! [`KvCache::publish_lengths`]). A write past a sequence's length is
+//! [`KvError::WritePastLength`](crate::error::KvError::WritePastLength) from
+//! [`KvCache::write_guard`].
+//!
+//! Prefix sharing ([`KvCache::share_prefix`]) maps the prefix's whole granules into both rows
+//! and copies the granule where they diverge; [`KvCache::write_guard`] copies any granule still
+//! shared before a write into it. [`KvCache::sleep`] saves each distinct granule once and
+//! releases all physical memory but the zero granule; [`KvCache::wake`] restores it, sharing
+//! included.
+//!
+//! ```text
+//!   L0 K: | seq 0: [data][data][zero][zero] | seq 1: [shared][data][zero][zero] | ...
+//!   L0 V: | seq 0: [data][data][zero][zero] | seq 1: [shared][data][zero][zero] | ...
+//!          every [zero] is the same physical granule, mapped read-only
+//! ```
+//!
+//! Tokens per granule, per (sequence, layer, K/V): `2 MiB / (kv_heads · head_dim · dtype)`:
+//! 1,024 for Llama-3-8B (8 KV heads × 128, bf16); 8,192 for a small model of 2 KV heads × 64.
+
+mod layout;
+#[cfg(test)]
+mod proptests;
+mod share;
+mod sleep;
+mod state;
+mod stats;
+mod table;
+
+use std::ops::Range;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use cudarc::driver::{CudaContext, CudaStream};
+
+use crate::driver::traced;
+use crate::error::{Error, LayoutError, Result};
+use crate::fence::FencePolicy;
+use crate::host::HostStorage;
+use crate::vmm_core::{Backend, Vmm};
+
+pub use layout::KvLayout;
+use state::KvState;
+pub use stats::KvStats;
+
+/// Options for [`KvCache::with_options`].
+#[derive(Clone, Debug)]
+pub struct KvOptions {
+    /// Tokens [`KvCache::grow`] backs past the length asked for, so the decode steps that follow
+    /// find their granules mapped (default 0: the granule holding the last token; with 2 MiB
+    /// granules a row already has hundreds of tokens of room).
+    pub ahead_tokens: usize,
+    /// How the cache waits for the GPU before it unmaps a range (default: the whole context).
+    pub fence: FencePolicy,
+}
+
+impl Default for KvOptions {
+    fn default() -> Self {
+        Self {
+            ahead_tokens: 0,
+            fence: FencePolicy::Context,
+        }
+    }
+}
+
+/// K or V.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvKind {
+    /// Keys.
+    K,
+    /// Values.
+    V,
+}
+
+/// A KV cache on stable addresses. See the module docs. `Send + Sync`; every method locks.
+#[derive(Debug)]
+pub struct KvCache {
+    state: Mutex<KvState<Vmm>>,
+    lane: Arc<CudaStream>,
+}
+
+impl KvCache {
+    /// Reserves the cache for `layout` on `ctx`'s device, with default options.
+    pub fn new(ctx: &Arc<CudaContext>, layout: KvLayout) -> Result<KvCache> {
+        Self::with_options(ctx, layout, KvOptions::default())
+    }
+
+    /// Reserves the cache; maps the zero granule over all of it. Costs one granule of zeros
+    /// and one for the lengths, plus one mapping per granule of address space.
+    pub fn with_options(
+        ctx: &Arc<CudaContext>,
+        layout: KvLayout,
+        options: KvOptions,
+    ) -> Result<KvCache> {
+        let backend = Vmm::new(ctx);
+        let lane = traced("cuStreamCreate", 0, || ctx.new_stream())?;
+        let fence = backend.fence(options.fence);
+        let state = KvState::new(backend, layout, lane.clone(), fence, options.ahead_tokens)?;
+        Ok(KvCache {
+            state: Mutex::new(state),
+            lane,
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, KvState<Vmm>> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The layout the cache was reserved for.
+    pub fn layout(&self) -> KvLayout {
+        self.lock().geometry.layout
+    }
+
+    /// Bytes of one granule (the driver's granularity, 2 MiB on current GPUs).
+    pub fn granule(&self) -> usize {
+        self.lock().geometry.granule
+    }
+
+    /// Bytes from one sequence's row to the next in a K or V buffer (whole granules).
+    pub fn seq_stride(&self) -> usize {
+        self.lock().geometry.seq_stride
+    }
+
+    /// The stream the cache zeroes and copies granules on; each call waits for its own work.
+    pub fn lane(&self) -> &Arc<CudaStream> {
+        &self.lane
+    }
+
+    /// Base address of layer `layer`'s K (or V) buffer: `[max_batch, seq_stride]` bytes,
+    /// token-major rows.
+    pub fn buffer_ptr(&self, layer: usize, kind: KvKind) -> Result<u64> {
+        let state = self.lock();
+        let layers = state.geometry.layout.layers;
+        if layer >= layers {
+            return Err(Error::Layout(LayoutError::InvalidShape(format!(
+                "layer {layer} of a {layers}-layer KV cache"
+            ))));
+        }
+        let buffer = 2 * layer + usize::from(kind == KvKind::V);
+        Ok(state.base() + state.geometry.row_offset(buffer, 0) as u64)
+    }
+
+    /// Base address of layer `layer`'s K buffer.
+    pub fn k_ptr(&self, layer: usize) -> Result<u64> {
+        self.buffer_ptr(layer, KvKind::K)
+    }
+
+    /// Base address of layer `layer`'s V buffer.
+    pub fn v_ptr(&self, layer: usize) -> Result<u64> {
+        self.buffer_ptr(layer, KvKind::V)
+    }
+
+    /// The device array of `max_batch` `u32` sequence lengths (as last published).
+    pub fn lengths_device_ptr(&self) -> u64 {
+        self.lock().lengths_ptr()
+    }
+
+    /// The host's length of `seq`.
+    pub fn length(&self, seq: usize) -> Result<usize> {
+        let state = self.lock();
+        state.check_seq(seq)?;
+        Ok(state.lengths[seq])
+    }
+
+    /// Sets `seq`'s length to `len` (never shrinks) and backs its rows in every layer up to
+    /// `len` plus the look-ahead with zeroed granules. All or nothing.
+    pub fn grow(&self, seq: usize, len: usize) -> Result<()> {
+        self.lock().grow(seq, len)
+    }
+
+    /// Frees slot `seq`: its rows map the zero granule again, their granules go to the free
+    /// list, its length is 0.
+    pub fn release(&self, seq: usize) -> Result<()> {
+        self.lock().release(seq)
+    }
+
+    /// Makes the first `tokens` tokens of `from` the start of the empty slot `to`: whole
+    /// granules shared (mapped twice), the divergent granule copied.
+    pub fn share_prefix(&self, from: usize, to: usize, tokens: usize) -> Result<()> {
+        self.lock().share_prefix(from, to, tokens)
+    }
+
+    /// Checks that `tokens` of `seq` lie inside its length and copies any granule they touch
+    /// that is still shared, so writing them changes no other sequence.
+    pub fn write_guard(&self, seq: usize, tokens: Range<usize>) -> Result<()> {
+        self.lock().write_guard(seq, tokens)
+    }
+
+    /// Copies the host lengths to [`KvCache::lengths_device_ptr`]; call it before the replay
+    /// that should see them.
+    pub fn publish_lengths(&self) -> Result<()> {
+        self.lock().publish_lengths()
+    }
+
+    /// Saves the cache's data to `storage` and releases its physical memory; addresses stay
+    /// and read zeros. Returns the bytes saved.
+    pub fn sleep(&self, storage: &HostStorage) -> Result<usize> {
+        self.lock().sleep(storage)
+    }
+
+    /// Restores what [`KvCache::sleep`] saved. Returns the bytes restored.
+    pub fn wake(&self) -> Result<usize> {
+        self.lock().wake()
+    }
+
+    /// Releases the free list's memory; returns the bytes released.
+    pub fn trim(&self) -> usize {
+        self.lock().trim()
+    }
+
+    /// Work on `stream` just used the cache (for [`FencePolicy::LastUse`]).
+    pub fn note_use(&self, stream: &Arc<CudaStream>) -> Result<()> {
+        let mut state = self.lock();
+        let key = state.backend.stream_key(stream);
+        state.fence.note_use(key)
+    }
+
+    /// What the cache holds now.
+    pub fn stats(&self) -> KvStats {
+        self.lock().stats()
+    }
+}

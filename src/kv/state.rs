@@ -1,0 +1,375 @@
+//! The cache's state machine on [`Backend`]: every slot always mapped (the zero granule
+//! read-only, or a data granule read-write), sequences grown granule by granule ahead of their
+//! length, released back to a free list, and every change all or nothing: a change is a list of
+//! slot assignments applied in order and undone in reverse on the first error.
+
+use std::sync::Arc;
+
+use super::layout::{Geometry, KvLayout};
+use super::table::{Granule, GranuleTable, Slot};
+use crate::error::{KvError, Result};
+use crate::host::Piece;
+use crate::vmm_core::{Backend, MappedRange, ReservedRange, Waiter};
+
+/// The bytes of a sleeping cache: its distinct granules saved back to back, and the slots each
+/// one is mapped at again on wake.
+#[derive(Debug)]
+pub(crate) struct Sleeping<B: Backend> {
+    pub copy: B::HostCopy,
+    pub groups: Vec<Vec<usize>>,
+}
+
+/// One slot assignment: slot index, what it maps afterwards.
+pub(crate) type Change<B> = (usize, Option<Arc<Granule<B>>>);
+
+#[derive(Debug)]
+pub(crate) struct KvState<B: Backend> {
+    pub backend: B,
+    pub geometry: Geometry,
+    pub table: GranuleTable<B>,
+    /// Valid tokens per sequence (what kernels read through [`KvState::lengths_ptr`] once
+    /// published).
+    pub lengths: Vec<usize>,
+    /// Granules mapped per sequence row (the same in every buffer).
+    pub backed: Vec<usize>,
+    /// Physical granules kept for reuse after a release.
+    pub free: Vec<Arc<B::Memory>>,
+    pub fence: B::Fence,
+    pub lane: B::Stream,
+    /// Tokens [`KvState::grow`] maps past the length asked for.
+    pub ahead: usize,
+    pub sleeping: Option<Sleeping<B>>,
+    zero: Arc<B::Memory>,
+    lengths_mapping: Option<B::Mapping>,
+    // Last: the mappings above go first (the fake's ranges are plain numbers; the real
+    // `Mapping`s hold their reservation by `Arc`).
+    reservation: B::Reservation,
+    _lengths_reservation: B::Reservation,
+}
+
+impl<B: Backend> KvState<B> {
+    /// Reserves the whole cache, maps the zero granule (zeroed first) read-only over all of it,
+    /// and a zeroed lengths array.
+    pub fn new(
+        backend: B,
+        layout: KvLayout,
+        lane: B::Stream,
+        fence: B::Fence,
+        ahead: usize,
+    ) -> Result<Self> {
+        let granule = backend.granularity(false)?;
+        let geometry = Geometry::new(layout, granule)?;
+        let reservation = backend.reserve(geometry.total_bytes, granule)?;
+        let zero = Arc::new(backend.create(granule)?);
+        {
+            let (_range, scratch) = backend.map_alone(&zero)?;
+            backend.fill_zero(&lane, scratch.ptr(), granule)?;
+            backend.synchronize(&lane)?;
+        }
+        let mappings = backend.map_read_only(&reservation, 0, &zero, geometry.slots())?;
+        let slots = mappings
+            .into_iter()
+            .map(|mapping| Slot {
+                data: None,
+                mapping: Some(mapping),
+            })
+            .collect();
+        let lengths_bytes = (layout.max_batch * 4).div_ceil(granule) * granule;
+        let lengths_reservation = backend.reserve(lengths_bytes, granule)?;
+        let lengths_memory = Arc::new(backend.create(lengths_bytes)?);
+        let lengths_mapping =
+            backend.map(&lengths_reservation, 0, &lengths_memory, lengths_bytes)?;
+        backend.write_host(&lane, lengths_mapping.ptr(), &vec![0; lengths_bytes])?;
+        Ok(Self {
+            backend,
+            geometry,
+            table: GranuleTable { slots },
+            lengths: vec![0; layout.max_batch],
+            backed: vec![0; layout.max_batch],
+            free: Vec::new(),
+            fence,
+            lane,
+            ahead,
+            sleeping: None,
+            zero,
+            lengths_mapping: Some(lengths_mapping),
+            reservation,
+            _lengths_reservation: lengths_reservation,
+        })
+    }
+
+    pub fn base(&self) -> u64 {
+        self.reservation.base()
+    }
+
+    pub fn slot_address(&self, slot: usize) -> u64 {
+        self.base() + (slot * self.geometry.granule) as u64
+    }
+
+    /// The device array of `max_batch` `u32` lengths the kernels read.
+    pub fn lengths_ptr(&self) -> u64 {
+        self.lengths_mapping.as_ref().map_or(0, |m| m.ptr())
+    }
+
+    pub fn check_seq(&self, seq: usize) -> Result<()> {
+        let max_batch = self.geometry.layout.max_batch;
+        if seq >= max_batch {
+            return Err(KvError::NoSuchSequence { seq, max_batch }.into());
+        }
+        Ok(())
+    }
+
+    pub fn check_awake(&self) -> Result<()> {
+        if self.sleeping.is_some() {
+            return Err(KvError::Asleep.into());
+        }
+        Ok(())
+    }
+
+    /// Maps the zero granule again wherever restoring a mapping failed before.
+    pub fn repair(&mut self) -> Result<()> {
+        for slot in 0..self.table.slots.len() {
+            if self.table.slots[slot].mapping.is_none() {
+                let data = self.table.slots[slot].data.clone();
+                let mapping = self.map_slot(slot, data.as_ref())?;
+                self.table.slots[slot].mapping = Some(mapping);
+            }
+        }
+        Ok(())
+    }
+
+    fn map_slot(&self, slot: usize, data: Option<&Arc<Granule<B>>>) -> Result<B::Mapping> {
+        let (offset, granule) = (slot * self.geometry.granule, self.geometry.granule);
+        match data {
+            Some(data) => self
+                .backend
+                .map(&self.reservation, offset, &data.memory, granule),
+            None => {
+                let mut run =
+                    self.backend
+                        .map_read_only(&self.reservation, offset, &self.zero, 1)?;
+                Ok(run.pop().expect("one mapping asked for"))
+            }
+        }
+    }
+
+    /// Unmaps `slot` and maps `data` there; returns what it mapped before. On error the slot
+    /// maps what it did before (or, if that fails too, nothing until [`KvState::repair`]).
+    /// The caller has waited on the fence.
+    fn set_slot(
+        &mut self,
+        slot: usize,
+        data: Option<Arc<Granule<B>>>,
+    ) -> Result<Option<Arc<Granule<B>>>> {
+        drop(self.table.slots[slot].mapping.take());
+        match self.map_slot(slot, data.as_ref()) {
+            Ok(mapping) => {
+                self.table.slots[slot].mapping = Some(mapping);
+                Ok(std::mem::replace(&mut self.table.slots[slot].data, data))
+            }
+            Err(error) => {
+                let old = self.table.slots[slot].data.clone();
+                self.table.slots[slot].mapping = self.map_slot(slot, old.as_ref()).ok();
+                Err(error)
+            }
+        }
+    }
+
+    /// Applies `changes` in order; on an error undoes the applied ones in reverse. Returns
+    /// what each slot mapped before, in order.
+    pub fn apply(&mut self, changes: Vec<Change<B>>) -> Result<Vec<Change<B>>> {
+        let mut undo: Vec<Change<B>> = Vec::with_capacity(changes.len());
+        for (slot, data) in changes {
+            match self.set_slot(slot, data) {
+                Ok(old) => undo.push((slot, old)),
+                Err(error) => {
+                    self.revert(undo);
+                    return Err(error);
+                }
+            }
+        }
+        Ok(undo)
+    }
+
+    /// Undoes what [`KvState::apply`] returned (best effort: a slot whose old mapping cannot
+    /// be restored is repaired by the next operation). Data granules no row maps any more go
+    /// back to the free list.
+    pub fn revert(&mut self, undo: Vec<Change<B>>) {
+        for (slot, data) in undo.into_iter().rev() {
+            if let Ok(Some(dropped)) = self.set_slot(slot, data) {
+                self.recycle(dropped);
+            }
+        }
+    }
+
+    /// Keeps the physical memory of a granule no row maps any more.
+    pub fn recycle(&mut self, granule: Arc<Granule<B>>) {
+        if let Ok(granule) = Arc::try_unwrap(granule) {
+            self.free.push(granule.memory);
+        }
+    }
+
+    /// `count` granules, from the free list first. All or nothing.
+    pub fn take_granules(&mut self, count: usize) -> Result<Vec<Arc<Granule<B>>>> {
+        let mut taken = Vec::with_capacity(count);
+        while taken.len() < count {
+            let memory = match self.free.pop() {
+                Some(memory) => memory,
+                None => match self.backend.create(self.geometry.granule) {
+                    Ok(memory) => Arc::new(memory),
+                    Err(error) => {
+                        self.free
+                            .extend(taken.into_iter().map(|g: Granule<B>| g.memory));
+                        return Err(error);
+                    }
+                },
+            };
+            taken.push(Granule { memory });
+        }
+        Ok(taken.into_iter().map(Arc::new).collect())
+    }
+
+    /// Sets `seq`'s length to `len` (never shrinks it) and backs its rows up to `len` plus the
+    /// look-ahead, with fresh zeroed granules.
+    pub fn grow(&mut self, seq: usize, len: usize) -> Result<()> {
+        self.check_seq(seq)?;
+        self.check_awake()?;
+        let max_len = self.geometry.layout.max_len;
+        if len > max_len {
+            return Err(KvError::BeyondMaxLen {
+                seq,
+                asked: len,
+                max_len,
+            }
+            .into());
+        }
+        self.repair()?;
+        let len = len.max(self.lengths[seq]);
+        let target = self
+            .geometry
+            .granules_for(len.saturating_add(self.ahead).min(max_len));
+        let from = self.backed[seq];
+        if target <= from {
+            self.lengths[seq] = len;
+            return Ok(());
+        }
+        let per_row = target - from;
+        let mut granules = self.take_granules(per_row * self.geometry.buffers)?;
+        if let Err(error) = self.fence.wait() {
+            for granule in granules {
+                self.recycle(granule);
+            }
+            return Err(error);
+        }
+        let mut changes = Vec::with_capacity(granules.len());
+        for buffer in 0..self.geometry.buffers {
+            for g in from..target {
+                let slot = self.geometry.slot(buffer, seq, g);
+                changes.push((slot, Some(granules.pop().expect("counted above"))));
+            }
+        }
+        let slots: Vec<usize> = changes.iter().map(|&(slot, _)| slot).collect();
+        let undo = self.apply(changes)?;
+        let filled = slots.iter().try_for_each(|&slot| {
+            let address = self.slot_address(slot);
+            self.backend
+                .fill_zero(&self.lane, address, self.geometry.granule)
+        });
+        if let Err(error) = filled.and_then(|()| self.backend.synchronize(&self.lane)) {
+            self.undo_fresh(undo);
+            return Err(error);
+        }
+        self.backed[seq] = target;
+        self.lengths[seq] = len;
+        Ok(())
+    }
+
+    /// Undoes an `apply` that mapped fresh granules over zero slots, after waiting for work
+    /// enqueued on them.
+    pub fn undo_fresh(&mut self, undo: Vec<Change<B>>) {
+        if self.backend.synchronize(&self.lane).is_err() || self.fence.wait().is_err() {
+            // The lane may still write there: keep the mappings (and the memory) forever.
+            for (slot, _) in &undo {
+                if let Some(mapping) = self.table.slots[*slot].mapping.as_mut() {
+                    mapping.leak_on_drop();
+                }
+            }
+        }
+        self.revert(undo);
+    }
+
+    /// Unmaps `seq`'s rows (the zero granule again) and keeps their granules for reuse; its
+    /// length is 0 and the slot is free for a new request.
+    pub fn release(&mut self, seq: usize) -> Result<()> {
+        self.check_seq(seq)?;
+        self.check_awake()?;
+        self.repair()?;
+        if self.backed[seq] == 0 {
+            self.lengths[seq] = 0;
+            return Ok(());
+        }
+        self.fence.wait()?;
+        let mut changes = Vec::new();
+        for buffer in 0..self.geometry.buffers {
+            for g in 0..self.backed[seq] {
+                changes.push((self.geometry.slot(buffer, seq, g), None));
+            }
+        }
+        let undo = self.apply(changes)?;
+        for (_, old) in undo {
+            if let Some(old) = old {
+                self.recycle(old);
+            }
+        }
+        self.backed[seq] = 0;
+        self.lengths[seq] = 0;
+        Ok(())
+    }
+
+    /// Copies the host lengths to the device array (`u32` each) and waits for it.
+    pub fn publish_lengths(&self) -> Result<()> {
+        let bytes: Vec<u8> = self
+            .lengths
+            .iter()
+            .flat_map(|&len| (len as u32).to_le_bytes())
+            .collect();
+        self.backend
+            .write_host(&self.lane, self.lengths_ptr(), &bytes)
+    }
+
+    /// Releases the free list's physical memory.
+    pub fn trim(&mut self) -> usize {
+        let bytes = self.free.len() * self.geometry.granule;
+        self.free.clear();
+        bytes
+    }
+
+    /// Device pieces of each distinct granule, saved back to back.
+    pub fn pieces(&self, groups: &[Vec<usize>]) -> Vec<Piece> {
+        groups
+            .iter()
+            .enumerate()
+            .map(|(i, slots)| Piece {
+                device: self.slot_address(slots[0]),
+                host_offset: i * self.geometry.granule,
+                bytes: self.geometry.granule,
+            })
+            .collect()
+    }
+}
+
+impl<B: Backend> Drop for KvState<B> {
+    fn drop(&mut self) {
+        if let Err(error) = self.fence.wait() {
+            tracing::error!(%error, "KV cache dropped while the GPU may use it: leaking its mappings");
+            for slot in &mut self.table.slots {
+                if let Some(mapping) = slot.mapping.as_mut() {
+                    mapping.leak_on_drop();
+                }
+            }
+            if let Some(mapping) = self.lengths_mapping.as_mut() {
+                mapping.leak_on_drop();
+            }
+        }
+    }
+}
