@@ -22,7 +22,7 @@ struct Kernel {
     compiler_env: &'static str,
 }
 
-const KERNELS: [Kernel; 2] = [
+const KERNELS: [Kernel; 3] = [
     Kernel {
         source: "kernels/matmul.cu",
         committed: "kernels/matmul.ptx",
@@ -34,6 +34,12 @@ const KERNELS: [Kernel; 2] = [
         committed: "kernels/decode.ptx",
         out_name: "decode.ptx",
         compiler_env: "STABLEBUF_PTX_DECODE_COMPILER",
+    },
+    Kernel {
+        source: "kernels/decode_attention.cu",
+        committed: "kernels/decode_attention.ptx",
+        out_name: "decode_attention.ptx",
+        compiler_env: "STABLEBUF_PTX_ATTENTION_COMPILER",
     },
 ];
 

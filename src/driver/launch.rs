@@ -42,6 +42,9 @@ kernel_args!(A, B, C, D, E);
 kernel_args!(A, B, C, D, E, F);
 kernel_args!(A, B, C, D, E, F, G);
 kernel_args!(A, B, C, D, E, F, G, H);
+kernel_args!(A, B, C, D, E, F, G, H, I);
+kernel_args!(A, B, C, D, E, F, G, H, I, J);
+kernel_args!(A, B, C, D, E, F, G, H, I, J, K);
 
 /// A PTX function's name and parameter list, declared in [`abi`].
 #[derive(Clone, Copy, Debug)]
@@ -170,4 +173,28 @@ pub(crate) mod abi {
     /// `partial_sums_bf16(const unsigned short*, unsigned long long n, float* out)`
     pub(crate) const PARTIAL_SUMS_BF16: Signature<(Ptr, u64, Ptr)> =
         unsafe { Signature::declare("partial_sums_bf16") };
+    /// `decode_attention_bf16(const unsigned short* q, const unsigned short* k, const unsigned
+    /// short* v, const unsigned int* lengths, float* out, int heads, int kv_heads, int dim,
+    /// unsigned long long seq_stride, int max_len, float scale)` (kernels/decode_attention.cu)
+    pub(crate) const DECODE_ATTENTION_BF16: Signature<(
+        Ptr,
+        Ptr,
+        Ptr,
+        Ptr,
+        Ptr,
+        i32,
+        i32,
+        i32,
+        u64,
+        i32,
+        f32,
+    )> = unsafe { Signature::declare("decode_attention_bf16") };
+    /// `kv_append_bf16(unsigned short* k, unsigned short* v, const unsigned short* k_new, const
+    /// unsigned short* v_new, const unsigned int* lengths, int batch, int token_elems, unsigned
+    /// long long seq_stride, int max_len)`
+    pub(crate) const KV_APPEND_BF16: Signature<(Ptr, Ptr, Ptr, Ptr, Ptr, i32, i32, u64, i32)> =
+        unsafe { Signature::declare("kv_append_bf16") };
+    /// `attention_out_bf16(const float*, unsigned short*, unsigned long long n)`
+    pub(crate) const ATTENTION_OUT_BF16: Signature<(Ptr, Ptr, u64)> =
+        unsafe { Signature::declare("attention_out_bf16") };
 }

@@ -6,6 +6,7 @@
 //! [`Error`], never an out-of-bounds access on the GPU.
 
 mod args;
+mod attention;
 mod blas;
 mod decode;
 mod ptx;
@@ -23,11 +24,14 @@ use crate::error::{Error, LayoutError, Result};
 use args::{dim, grid_stride, need, F32, U32};
 use table::kernel_table;
 
+pub use attention::{attention_reference, AttentionKernels, AttentionShape, MAX_HEAD_DIM};
 pub use blas::{Blas, GemmOutput, WeightLayout, RECOMMENDED_WORKSPACE};
 pub use decode::{
     bf16_from_f32, f32_from_bf16, uniform_bf16, Activation, DecodeKernels, MAX_PARTIAL_SUMS,
 };
-pub use ptx::{PTX, PTX_COMPILER, PTX_DECODE, PTX_DECODE_COMPILER};
+pub use ptx::{
+    PTX, PTX_ATTENTION, PTX_ATTENTION_COMPILER, PTX_COMPILER, PTX_DECODE, PTX_DECODE_COMPILER,
+};
 
 type Matmul = KernelFn<(u64, u64, u64, i32, i32, i32)>;
 

@@ -1,4 +1,5 @@
-//! The PTX `build.rs` compiled from `kernels/matmul.cu` and `kernels/decode.cu`.
+//! The PTX `build.rs` compiled from `kernels/matmul.cu`, `kernels/decode.cu` and
+//! `kernels/decode_attention.cu`.
 
 /// PTX for every kernel in `kernels/matmul.cu`, targeting `compute_70` (JIT-compiled by the
 /// driver on any newer GPU). The first line is the source fingerprint.
@@ -14,3 +15,10 @@ pub const PTX_DECODE: &str = include_str!(concat!(env!("OUT_DIR"), "/decode.ptx"
 
 /// How `build.rs` produced [`PTX_DECODE`] (same forms as [`PTX_COMPILER`]).
 pub const PTX_DECODE_COMPILER: &str = env!("STABLEBUF_PTX_DECODE_COMPILER");
+
+/// PTX for the decode attention over a KV cache in `kernels/decode_attention.cu` (loaded by
+/// [`AttentionKernels`](super::AttentionKernels)), like [`PTX`].
+pub const PTX_ATTENTION: &str = include_str!(concat!(env!("OUT_DIR"), "/decode_attention.ptx"));
+
+/// How `build.rs` produced [`PTX_ATTENTION`] (same forms as [`PTX_COMPILER`]).
+pub const PTX_ATTENTION_COMPILER: &str = env!("STABLEBUF_PTX_ATTENTION_COMPILER");
