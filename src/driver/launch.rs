@@ -113,6 +113,12 @@ pub(crate) mod abi {
     use super::Signature;
 
     type Ptr = u64;
+    /// `decode_attention_bf16`'s parameters: q, k, v, lengths, out, heads, kv_heads, dim,
+    /// seq_stride, max_len, scale.
+    pub(crate) type AttentionArgs = (Ptr, Ptr, Ptr, Ptr, Ptr, i32, i32, i32, u64, i32, f32);
+    /// `kv_append_bf16`'s parameters: k, v, k_new, v_new, lengths, batch, token_elems,
+    /// seq_stride, max_len.
+    pub(crate) type AppendArgs = (Ptr, Ptr, Ptr, Ptr, Ptr, i32, i32, u64, i32);
 
     // SAFETY (every declaration below): checked by hand against the `extern "C"` signatures in
     // kernels/matmul.cu; a kernel whose parameters change must change here too.
@@ -176,23 +182,12 @@ pub(crate) mod abi {
     /// `decode_attention_bf16(const unsigned short* q, const unsigned short* k, const unsigned
     /// short* v, const unsigned int* lengths, float* out, int heads, int kv_heads, int dim,
     /// unsigned long long seq_stride, int max_len, float scale)` (kernels/decode_attention.cu)
-    pub(crate) const DECODE_ATTENTION_BF16: Signature<(
-        Ptr,
-        Ptr,
-        Ptr,
-        Ptr,
-        Ptr,
-        i32,
-        i32,
-        i32,
-        u64,
-        i32,
-        f32,
-    )> = unsafe { Signature::declare("decode_attention_bf16") };
+    pub(crate) const DECODE_ATTENTION_BF16: Signature<AttentionArgs> =
+        unsafe { Signature::declare("decode_attention_bf16") };
     /// `kv_append_bf16(unsigned short* k, unsigned short* v, const unsigned short* k_new, const
     /// unsigned short* v_new, const unsigned int* lengths, int batch, int token_elems, unsigned
     /// long long seq_stride, int max_len)`
-    pub(crate) const KV_APPEND_BF16: Signature<(Ptr, Ptr, Ptr, Ptr, Ptr, i32, i32, u64, i32)> =
+    pub(crate) const KV_APPEND_BF16: Signature<AppendArgs> =
         unsafe { Signature::declare("kv_append_bf16") };
     /// `attention_out_bf16(const float*, unsigned short*, unsigned long long n)`
     pub(crate) const ATTENTION_OUT_BF16: Signature<(Ptr, Ptr, u64)> =

@@ -10,6 +10,7 @@ use cudarc::driver::{CudaStream, LaunchConfig};
 use super::args::{dim, grid_stride, need_elems, BF16, F32};
 use super::table::kernel_table;
 use crate::buffer::DeviceBuffer;
+use crate::driver::launch::abi::{AppendArgs, AttentionArgs};
 use crate::driver::launch::KernelFn;
 use crate::error::{Error, LayoutError, Result};
 
@@ -69,8 +70,8 @@ impl AttentionShape {
 kernel_table! {
     /// The decode-attention module and its functions.
     pub struct AttentionKernels from super::PTX_ATTENTION {
-        attention: KernelFn<(u64, u64, u64, u64, u64, i32, i32, i32, u64, i32, f32)> = DECODE_ATTENTION_BF16,
-        append: KernelFn<(u64, u64, u64, u64, u64, i32, i32, u64, i32)> = KV_APPEND_BF16,
+        attention: KernelFn<AttentionArgs> = DECODE_ATTENTION_BF16,
+        append: KernelFn<AppendArgs> = KV_APPEND_BF16,
         to_bf16: KernelFn<(u64, u64, u64)> = ATTENTION_OUT_BF16,
     }
 }
