@@ -107,7 +107,7 @@ impl Dataset {
         shareable: bool,
         at: Location,
     ) -> Result<Self> {
-        let physical = Physical::new_at(ctx, placement.groups[group_index].bytes, shareable, at)?;
+        let physical = Physical::owned_at(ctx, placement.groups[group_index].bytes, shareable, at)?;
         Self::from_physical(ctx, layout, placement, group_index, access, physical)
     }
 
@@ -297,6 +297,10 @@ impl Dataset {
                 copy,
                 home: home_reservation,
             };
+            // An offload is asked for to free device memory ("free memory rises by
+            // `bytes`"): what the drop handed to the release queue (issue 43) goes now, with
+            // whatever else the device held for release.
+            crate::driver::deferred::trim(self.ctx.ordinal());
         }
         Ok(report)
     }
@@ -326,7 +330,7 @@ impl Dataset {
         let mut home = None;
         let report = host::timed(id, bytes, "restore", || {
             // Same home address as before the offload: only create and map.
-            let mapped = match Physical::new_at(&self.ctx, bytes, self.shareable, self.location)
+            let mapped = match Physical::owned_at(&self.ctx, bytes, self.shareable, self.location)
                 .and_then(|physical| {
                     Mapping::new(reservation, 0, &Arc::new(physical), 0, bytes, &self.access)
                 }) {

@@ -187,6 +187,20 @@ pub mod device {
     pub use crate::driver::memory_info;
 }
 
+/// Memory given back, released in the background (issue 43): when a space, a dataset, a
+/// region's set or a pool's cache gives physical memory back, stablebuf keeps it, unmapped, in a
+/// per-device queue; the next allocation of the same size reuses it, and it is released to the
+/// driver in bounded pieces when the process is idle (a background thread), when an allocation
+/// runs out of memory, or at [`trim`](release::trim). [`ReleasePolicy`](release::ReleasePolicy)
+/// (or `STABLEBUF_RELEASE=immediate|background|manual`) chooses; [`stats`](release::stats)
+/// shows what is held.
+pub mod release {
+    pub use crate::driver::deferred::{
+        ensure_free, held_bytes, policy, release_step, set_policy, stats, trim, trim_all,
+    };
+    pub use crate::driver::held::{ReleaseMode, ReleasePolicy, ReleaseStats};
+}
+
 /// The raw VMM wrappers (reservation, physical memory, mapping), safe RAII types for callers
 /// that want to build their own layouts or measure the driver floor.
 pub mod vmm {

@@ -90,6 +90,9 @@ impl Space {
             }
             return Err(error);
         }
+        // A sleep is asked for to give the device memory back: the scratch memory handed to
+        // the release queue (issue 43) goes now, with whatever else the device held.
+        crate::driver::deferred::trim(self.context().ordinal());
         Ok(reports)
     }
 

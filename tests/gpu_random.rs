@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use common::leaks::{free_memory, MIB};
+use common::leaks::{free_memory, free_memory_counting_held, MIB};
 use common::patterns::DeviceRange;
 use common::{gpu, rng, Gpu};
 use rand::rngs::StdRng;
@@ -2231,7 +2231,7 @@ fn random_sequences_of_every_operation_match_the_model() {
             }
         }
         if quiet {
-            let used = baseline as i64 - free_memory(&world.fx.gpu.ctx) as i64;
+            let used = baseline as i64 - free_memory_counting_held(&world.fx.gpu.ctx) as i64;
             let drift = used - world.model_bytes() as i64;
             worst_drift = worst_drift.max(drift.abs());
             eprintln!(

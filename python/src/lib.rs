@@ -390,6 +390,71 @@ fn driver_present() -> bool {
     stablebuf::driver_present()
 }
 
+/// Releases the memory stablebuf holds for release (issue 43) on `device`, or on every device
+/// when `None`, now; returns the bytes released.
+#[pyfunction]
+#[pyo3(signature = (device=None))]
+fn trim(py: Python<'_>, device: Option<i64>) -> PyResult<usize> {
+    match device {
+        None => Ok(py.detach(stablebuf::release::trim_all)),
+        Some(device) => {
+            let ordinal = usize::try_from(device)
+                .map_err(|_| PyValueError::new_err(format!("no device {device}")))?;
+            Ok(py.detach(|| stablebuf::release::trim(ordinal)))
+        }
+    }
+}
+
+/// What device `device`'s release queue holds and did, as a dict of counts.
+#[pyfunction]
+#[pyo3(signature = (device=0))]
+fn release_stats(device: i64) -> PyResult<std::collections::BTreeMap<&'static str, u64>> {
+    let ordinal = usize::try_from(device)
+        .map_err(|_| PyValueError::new_err(format!("no device {device}")))?;
+    let s = stablebuf::release::stats(ordinal);
+    Ok([
+        ("held_bytes", s.held_bytes as u64),
+        ("held_allocations", s.held_allocations as u64),
+        ("pieces", s.pieces),
+        ("releases", s.releases),
+        ("released_bytes", s.released_bytes),
+        ("reused", s.reused),
+        ("reused_bytes", s.reused_bytes),
+        ("retries", s.retries),
+        ("background_pieces", s.background_pieces),
+    ]
+    .into_iter()
+    .collect())
+}
+
+/// Sets the release policy: `mode` is "immediate", "background" or "manual".
+#[pyfunction]
+#[pyo3(signature = (mode, idle_ms=20.0, gap_ms=1.0, piece_bytes=256 << 20))]
+fn set_release_policy(mode: &str, idle_ms: f64, gap_ms: f64, piece_bytes: usize) -> PyResult<()> {
+    use stablebuf::release::{ReleaseMode, ReleasePolicy};
+    let mode = match mode {
+        "immediate" => ReleaseMode::Immediate,
+        "background" => ReleaseMode::Background,
+        "manual" => ReleaseMode::Manual,
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "release mode {other:?}: expected \"immediate\", \"background\" or \"manual\""
+            )))
+        }
+    };
+    let duration = |name: &str, ms: f64| {
+        std::time::Duration::try_from_secs_f64(ms / 1000.0)
+            .map_err(|_| PyValueError::new_err(format!("{name} = {ms} ms is not a duration")))
+    };
+    stablebuf::release::set_policy(ReleasePolicy {
+        mode,
+        idle: duration("idle_ms", idle_ms)?,
+        gap: duration("gap_ms", gap_ms)?,
+        piece_bytes,
+    });
+    Ok(())
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -427,6 +492,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(host_arena, m)?)?;
     m.add_function(wrap_pyfunction!(owner, m)?)?;
     m.add_function(wrap_pyfunction!(driver_present, m)?)?;
+    m.add_function(wrap_pyfunction!(trim, m)?)?;
+    m.add_function(wrap_pyfunction!(release_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(set_release_policy, m)?)?;
     publish::register(m)?;
     Ok(())
 }

@@ -65,6 +65,9 @@ from ._native import (
     WeightSet,
     __version__,
     driver_present,
+    release_stats,
+    set_release_policy,
+    trim,
 )
 from ._regions import library_path, pool, region, stats, tags, timeline
 from ._sleep import host_arena, reserve_host, sleep, wake
@@ -111,13 +114,16 @@ __all__ = [
     "pool",
     "publish",
     "region",
+    "release_stats",
     "reserve_host",
+    "set_release_policy",
     "sleep",
     "snapshot",
     "stats",
     "switch",
     "tags",
     "timeline",
+    "trim",
     "unbind",
     "wake",
     "writing",

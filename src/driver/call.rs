@@ -2,6 +2,8 @@
 //! typed [`Error`], and with the `fault-injection` feature the place where tests make a chosen
 //! call fail), releases from a `Drop`, and binding a context to the thread first.
 
+use std::cell::Cell;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use cudarc::driver::{sys, CudaContext, DriverError as CudarcError};
@@ -17,6 +19,9 @@ pub(crate) fn traced<T>(
     bytes: usize,
     f: impl FnOnce() -> Result<T, CudarcError>,
 ) -> Result<T> {
+    if !QUIET.get() {
+        ACTIVITY.fetch_add(1, Ordering::Relaxed);
+    }
     let span = tracing::debug_span!("cuda", call, bytes);
     let _entered = span.enter();
     let start = Instant::now();
@@ -35,6 +40,25 @@ pub(crate) fn traced<T>(
             Err(driver_error(call, bytes, result))
         }
     }
+}
+
+/// Driver calls made so far by threads that are not quiet: the idle hook of the background
+/// release ([`super::held`]) waits until it stops moving.
+static ACTIVITY: AtomicU64 = AtomicU64::new(0);
+
+thread_local! {
+    /// Set on the background release thread: its own calls are not activity.
+    static QUIET: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Driver calls made so far outside the background release threads.
+pub(crate) fn activity() -> u64 {
+    ACTIVITY.load(Ordering::Relaxed)
+}
+
+/// Marks this thread's driver calls as not activity (the background release thread).
+pub(crate) fn mark_quiet() {
+    QUIET.set(true);
 }
 
 /// [`traced`] for a raw `sys` call that returns a bare `CUresult`.

@@ -12,9 +12,11 @@
 pub(crate) mod blas;
 mod call;
 pub(crate) mod context;
+pub(crate) mod deferred;
 pub(crate) mod device;
 pub(crate) mod event;
 pub(crate) mod graph;
+pub(crate) mod held;
 pub(crate) mod host;
 #[cfg(any(test, feature = "fault-injection"))]
 pub mod inject;
@@ -33,7 +35,7 @@ use cudarc::driver::{sys, CudaContext, CudaStream};
 
 use crate::error::{DriverError, Error, Result};
 
-pub(crate) use call::{bind_context, release, traced, traced_raw};
+pub(crate) use call::{activity, bind_context, mark_quiet, release, traced, traced_raw};
 pub use device::driver_present;
 
 /// Opens device `ordinal` (its primary context) the way stablebuf wants it.

@@ -16,6 +16,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaContext};
 
+use super::deferred::{device_queue, DeviceQueue, HeldPhysical};
 use super::{bind_context, release, traced_raw};
 use crate::error::{Error, LayoutError, Result};
 
@@ -162,6 +163,24 @@ impl Drop for Reservation {
     }
 }
 
+/// `cuMemCreate`: a handle the caller owns and must release.
+#[cfg_attr(any(test, feature = "fault-injection"), track_caller)]
+fn create_handle(
+    ctx: &Arc<CudaContext>,
+    bytes: usize,
+    shareable: bool,
+    at: Location,
+) -> Result<sys::CUmemGenericAllocationHandle> {
+    bind_context(ctx)?;
+    let prop = allocation_prop(at, shareable);
+    let mut handle: sys::CUmemGenericAllocationHandle = 0;
+    traced_raw("cuMemCreate", bytes, || {
+        // SAFETY: valid out-pointer and property struct; flags must be 0.
+        unsafe { sys::cuMemCreate(&mut handle, bytes, &prop, 0) }
+    })?;
+    Ok(handle)
+}
+
 /// Physical device memory with no address (`cuMemCreate`).
 #[derive(Debug)]
 pub struct Physical {
@@ -170,9 +189,36 @@ pub struct Physical {
     bytes: usize,
     shareable: bool,
     location: Location,
+    /// The device's release queue, for memory made by [`Physical::reusable`]: the drop hands
+    /// the handle to it instead of releasing it (see [`super::held`]).
+    queue: Option<Arc<DeviceQueue>>,
 }
 
 impl Physical {
+    /// `bytes` of non-exportable memory on `ctx`'s device for stablebuf's own spaces, datasets,
+    /// regions and pools: served from the device's release queue when it holds an allocation of
+    /// this size (no `cuMemCreate`), else created (releasing held memory and retrying if the
+    /// device is out of memory); on drop handed back to the queue instead of released.
+    pub(crate) fn reusable(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Self> {
+        let queue = device_queue(ctx.ordinal());
+        let at = Location::Device(ctx.ordinal());
+        let held = queue.acquire(&bytes, bytes, || {
+            Ok(HeldPhysical {
+                ctx: ctx.clone(),
+                handle: create_handle(ctx, bytes, false, at)?,
+                bytes,
+            })
+        })?;
+        Ok(Self {
+            ctx: held.ctx,
+            handle: held.handle,
+            bytes: held.bytes,
+            shareable: false,
+            location: Location::Device(ctx.ordinal()),
+            queue: Some(queue),
+        })
+    }
+
     /// Allocates `bytes` (a multiple of the granularity) on `ctx`'s device.
     pub fn new(ctx: &Arc<CudaContext>, bytes: usize, shareable: bool) -> Result<Self> {
         Self::new_at(ctx, bytes, shareable, Location::Device(ctx.ordinal()))
@@ -187,20 +233,30 @@ impl Physical {
         shareable: bool,
         at: Location,
     ) -> Result<Self> {
-        bind_context(ctx)?;
-        let prop = allocation_prop(at, shareable);
-        let mut handle: sys::CUmemGenericAllocationHandle = 0;
-        traced_raw("cuMemCreate", bytes, || {
-            // SAFETY: valid out-pointer and property struct; flags must be 0.
-            unsafe { sys::cuMemCreate(&mut handle, bytes, &prop, 0) }
-        })?;
+        let handle = create_handle(ctx, bytes, shareable, at)?;
         Ok(Self {
             ctx: ctx.clone(),
             handle,
             bytes,
             shareable,
             location: at,
+            queue: None,
         })
+    }
+
+    /// [`Physical::reusable`] where it applies (non-exportable memory on `ctx`'s own device),
+    /// else [`Physical::new_at`].
+    pub(crate) fn owned_at(
+        ctx: &Arc<CudaContext>,
+        bytes: usize,
+        shareable: bool,
+        at: Location,
+    ) -> Result<Self> {
+        if !shareable && at == Location::Device(ctx.ordinal()) {
+            Self::reusable(ctx, bytes)
+        } else {
+            Self::new_at(ctx, bytes, shareable, at)
+        }
     }
 
     /// Where the memory lives.
@@ -238,6 +294,7 @@ impl Physical {
             bytes,
             shareable: true,
             location: Location::Device(ctx.ordinal()),
+            queue: None,
         }
     }
 }
@@ -245,6 +302,18 @@ impl Physical {
 impl Drop for Physical {
     fn drop(&mut self) {
         let (handle, bytes) = (self.handle, self.bytes);
+        if let Some(queue) = self.queue.take() {
+            // Every Mapping of it held an Arc of this value, so none is left mapped: the queue
+            // only defers the release. If this was the queue's last owner, dropping `queue`
+            // here releases everything it holds.
+            let held = HeldPhysical {
+                ctx: self.ctx.clone(),
+                handle,
+                bytes,
+            };
+            queue.put(bytes, held);
+            return;
+        }
         release(&self.ctx, "cuMemRelease", bytes, || {
             // SAFETY: the handle came from cuMemCreate and is released once, here; every
             // Mapping of it holds an Arc of this value, so none is left mapped.

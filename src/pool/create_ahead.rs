@@ -136,7 +136,9 @@ fn create_one(state: &Mutex<State<Vmm>>, ctx: &Arc<CudaContext>, bytes: usize) {
         tracing::debug!(bytes, room, "over the pool's budget: nothing created ahead");
         return;
     }
-    match driver::memory_info(ctx) {
+    // Memory held for release counts as free: the create reuses or releases it.
+    let held = driver::deferred::held_bytes(ctx.ordinal());
+    match driver::memory_info(ctx).map(|(free, total)| (free + held, total)) {
         Ok((free, total)) if free.saturating_sub(bytes) >= total / 100 * HEADROOM_PERCENT => {}
         Ok((free, _)) => {
             tracing::debug!(

@@ -592,7 +592,7 @@ fn map_own(
     region: &Region,
     access: &[usize],
 ) -> Result<Mapping> {
-    let physical = Arc::new(Physical::new(ctx, region.bytes, false)?);
+    let physical = Arc::new(Physical::reusable(ctx, region.bytes)?);
     Mapping::new(
         reservation,
         region.offset,

@@ -122,6 +122,9 @@ pub(crate) trait Backend: Clone + Send + Sync + Debug + 'static {
     ) -> Result<Self::HostCopy>;
     /// Copies saved bytes back to the device ranges of `pieces`; returns once they are there.
     fn load(&self, copy: &Self::HostCopy, stream: &Self::Stream, pieces: &[Piece]) -> Result<()>;
+    /// Releases now what the device holds for release (memory given back and kept for reuse,
+    /// issue 43): after a sleep, whose point is the free memory.
+    fn release_held(&self) {}
     /// Which kind of host memory holds `copy`.
     fn storage_used(copy: &Self::HostCopy) -> StorageUsed;
 }

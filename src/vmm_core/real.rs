@@ -102,7 +102,11 @@ impl Backend for Vmm {
     }
 
     fn create_memory(&self, bytes: usize, shareable: bool) -> Result<Self::Memory> {
-        Physical::new(&self.ctx, bytes, shareable)
+        if shareable {
+            Physical::new(&self.ctx, bytes, true)
+        } else {
+            Physical::reusable(&self.ctx, bytes)
+        }
     }
 
     fn map_run(
@@ -178,7 +182,9 @@ impl Backend for Vmm {
     }
 
     fn free_memory(&self) -> usize {
+        // Memory held for release is free to stablebuf's next allocation of its size.
         driver::memory_info(&self.ctx).map_or(0, |(free, _)| free)
+            + driver::deferred::held_bytes(self.ctx.ordinal())
     }
 
     fn save(
@@ -192,6 +198,10 @@ impl Backend for Vmm {
 
     fn load(&self, copy: &Self::HostCopy, stream: &Self::Stream, pieces: &[Piece]) -> Result<()> {
         host::copy::load_pieces(copy, stream, pieces)
+    }
+
+    fn release_held(&self) {
+        driver::deferred::trim(self.ctx.ordinal());
     }
 
     fn storage_used(copy: &Self::HostCopy) -> StorageUsed {

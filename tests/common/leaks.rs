@@ -18,7 +18,18 @@ pub fn open_fds() -> usize {
 pub fn free_memory(ctx: &Arc<CudaContext>) -> usize {
     ctx.synchronize()
         .expect("synchronize before reading free memory");
+    // Memory given back is held for release in the background (issue 43): release it first.
+    stablebuf::release::trim_all();
     memory_info(ctx).expect("cuMemGetInfo").0
+}
+
+/// Free device memory plus what stablebuf holds for release on the device (free to its next
+/// allocation of the size, released when the process is idle): the figure to compare with a
+/// model mid-run without trimming, which would change what the run measures.
+pub fn free_memory_counting_held(ctx: &Arc<CudaContext>) -> usize {
+    ctx.synchronize()
+        .expect("synchronize before reading free memory");
+    memory_info(ctx).expect("cuMemGetInfo").0 + stablebuf::release::held_bytes(ctx.ordinal())
 }
 
 /// File descriptors and free device memory at one quiet moment.

@@ -50,6 +50,8 @@ impl<B: Backend> RegionState<B> {
         self.allocations.set_consolidated(0);
         self.live = None; // its bytes, if it was bound, are in the host copy
         self.sleeping = Some(Sleeping { copy, runs });
+        // A sleep is asked for to give the device memory back: nothing stays held for release.
+        fixed.backend.release_held();
         Ok(report(fixed, host_offset, start, used))
     }
 
