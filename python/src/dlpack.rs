@@ -52,12 +52,74 @@ struct DLManagedTensor {
     deleter: Option<unsafe extern "C" fn(*mut DLManagedTensor)>,
 }
 
+/// Most dimensions an exported array has (the KV cache's views have four).
+pub const MAX_DIMS: usize = 4;
+
+/// The element type, shape and strides an export describes its memory as.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ArrayDesc {
+    /// DLPack's `DLDataTypeCode` (0 int, 1 uint, 2 float, 4 bfloat).
+    pub code: u8,
+    /// Bits per element.
+    pub bits: u8,
+    /// Elements per dimension, at most [`MAX_DIMS`] of them.
+    pub shape: Vec<i64>,
+    /// Elements (not bytes) from one index to the next per dimension; `None`: compact.
+    pub strides: Option<Vec<i64>>,
+}
+
+impl ArrayDesc {
+    /// `bytes` bytes as a one-dimensional `uint8` array.
+    pub fn bytes(bytes: usize) -> Self {
+        Self {
+            code: 1, // kDLUInt
+            bits: 8,
+            shape: vec![bytes as i64],
+            strides: None,
+        }
+    }
+
+    /// Bytes from the first element to one past the last one reachable.
+    pub fn span_bytes(&self) -> usize {
+        let elem = usize::from(self.bits).div_ceil(8);
+        if self.shape.contains(&0) {
+            return 0;
+        }
+        let last = match &self.strides {
+            None => self.shape.iter().product::<i64>() - 1,
+            Some(strides) => self
+                .shape
+                .iter()
+                .zip(strides)
+                .map(|(&n, &s)| (n - 1) * s)
+                .sum(),
+        };
+        (last as usize + 1) * elem
+    }
+
+    fn check(&self) -> PyResult<()> {
+        let dims_ok = !self.shape.is_empty() && self.shape.len() <= MAX_DIMS;
+        let strides_ok = self
+            .strides
+            .as_ref()
+            .is_none_or(|s| s.len() == self.shape.len() && s.iter().all(|&x| x >= 0));
+        if !dims_ok || !strides_ok || self.shape.iter().any(|&n| n < 0) {
+            return Err(PyBufferError::new_err(format!(
+                "cannot export shape {:?} with strides {:?}",
+                self.shape, self.strides
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// What a capsule points at: the DLPack header first (so a pointer to this is a pointer to
-/// it), the shape it points into, and the owner of the memory.
+/// it), the shape and strides it points into, and the owner of the memory.
 #[repr(C)]
 struct Managed<T> {
     tensor: DLManagedTensor,
-    shape: [i64; 1],
+    shape: [i64; MAX_DIMS],
+    strides: [i64; MAX_DIMS],
     owner: T,
 }
 
@@ -95,10 +157,32 @@ pub fn capsule<T: Send + 'static>(
     copy: Option<bool>,
     owner: T,
 ) -> PyResult<Bound<'_, PyAny>> {
+    let array = ArrayDesc::bytes(bytes);
+    capsule_of(py, ptr, &array, (device_type, device_id), copy, owner)
+}
+
+/// A `"dltensor"` capsule describing the memory at `ptr` as `array` on `(device_type,
+/// device_id)`, keeping `owner` alive until the consumer's tensor (or the unconsumed capsule)
+/// is gone. `owner` must keep `[ptr, ptr + array.span_bytes())` valid.
+pub fn capsule_of<'py, T: Send + 'static>(
+    py: Python<'py>,
+    ptr: u64,
+    array: &ArrayDesc,
+    (device_type, device_id): (i32, i32),
+    copy: Option<bool>,
+    owner: T,
+) -> PyResult<Bound<'py, PyAny>> {
     if copy == Some(true) {
         return Err(PyBufferError::new_err(
-            "an imported weight set is shared memory: it cannot be exported as a copy",
+            "exported memory is shared (a weight set, a KV cache): it cannot be exported as a copy",
         ));
+    }
+    array.check()?;
+    let mut shape = [0i64; MAX_DIMS];
+    shape[..array.shape.len()].copy_from_slice(&array.shape);
+    let mut strides = [0i64; MAX_DIMS];
+    if let Some(given) = &array.strides {
+        strides[..given.len()].copy_from_slice(given);
     }
     let managed = Box::into_raw(Box::new(Managed {
         tensor: DLManagedTensor {
@@ -108,26 +192,32 @@ pub fn capsule<T: Send + 'static>(
                     device_type,
                     device_id,
                 },
-                ndim: 1,
+                ndim: array.shape.len() as i32,
                 dtype: DLDataType {
-                    code: 1, // kDLUInt
-                    bits: 8,
+                    code: array.code,
+                    bits: array.bits,
                     lanes: 1,
                 },
                 shape: std::ptr::null_mut(),
-                strides: std::ptr::null_mut(), // compact
+                strides: std::ptr::null_mut(), // compact unless set below
                 byte_offset: 0,
             },
             manager_ctx: std::ptr::null_mut(),
             deleter: Some(delete_managed::<T>),
         },
-        shape: [bytes as i64],
+        shape,
+        strides,
         owner,
     }));
+    let strided = array.strides.is_some();
     // SAFETY: `managed` came from Box::into_raw just above and nothing else has it yet: the
-    // shape pointer points into the same (now fixed) allocation, and the capsule takes it over.
+    // shape and strides pointers point into the same (now fixed) allocation, and the capsule
+    // takes it over.
     unsafe {
         (*managed).tensor.dl_tensor.shape = (*managed).shape.as_mut_ptr();
+        if strided {
+            (*managed).tensor.dl_tensor.strides = (*managed).strides.as_mut_ptr();
+        }
         (*managed).tensor.manager_ctx = managed.cast();
         let raw = ffi::PyCapsule_New(managed.cast(), DLTENSOR.as_ptr(), Some(capsule_destructor));
         if raw.is_null() {
@@ -145,7 +235,7 @@ pub fn capsule<T: Send + 'static>(
 #[pyclass(module = "stablebuf", name = "_DlpackExport", subclass, frozen)]
 pub struct DlpackExport {
     ptr: u64,
-    bytes: usize,
+    array: ArrayDesc,
     device_type: i32,
     device_id: i32,
     /// What keeps `[ptr, ptr + bytes)` valid; each capsule holds a clone, so its last holder
@@ -162,9 +252,25 @@ impl DlpackExport {
         (device_type, device_id): (i32, i32),
         owner: Arc<dyn Any + Send + Sync>,
     ) -> Self {
+        Self::of_array(
+            ptr,
+            ArrayDesc::bytes(bytes),
+            (device_type, device_id),
+            owner,
+        )
+    }
+
+    /// The memory at `ptr` as `array` (element type, shape, strides); `owner` must keep
+    /// `[ptr, ptr + array.span_bytes())` valid for as long as it lives.
+    pub fn of_array(
+        ptr: u64,
+        array: ArrayDesc,
+        (device_type, device_id): (i32, i32),
+        owner: Arc<dyn Any + Send + Sync>,
+    ) -> Self {
         Self {
             ptr,
-            bytes,
+            array,
             device_type,
             device_id,
             owner,
@@ -174,7 +280,8 @@ impl DlpackExport {
 
 #[pymethods]
 impl DlpackExport {
-    /// The memory as a DLPack capsule (one-dimensional `uint8`): `torch.from_dlpack(obj)` is a
+    /// The memory as a DLPack capsule (one-dimensional `uint8`, or the export's shape and
+    /// element type): `torch.from_dlpack(obj)` is a
     /// zero-copy tensor over it that keeps the memory alive, with no NumPy needed. Exported
     /// memory has no work in flight when handed out, so `stream` needs no ordering.
     #[pyo3(signature = (stream=None, max_version=None, dl_device=None, copy=None))]
@@ -187,12 +294,11 @@ impl DlpackExport {
         copy: Option<bool>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let _ = (stream, max_version, dl_device);
-        capsule(
+        capsule_of(
             py,
             self.ptr,
-            self.bytes,
-            self.device_type,
-            self.device_id,
+            &self.array,
+            (self.device_type, self.device_id),
             copy,
             self.owner.clone(),
         )

@@ -22,6 +22,7 @@ pub mod context;
 #[allow(unsafe_code)] // DLPack: raw capsules handed to PyTorch
 pub mod dlpack;
 pub mod errors;
+pub mod kv;
 pub mod publish;
 pub mod regions;
 pub mod stats;
@@ -496,5 +497,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(release_stats, m)?)?;
     m.add_function(wrap_pyfunction!(set_release_policy, m)?)?;
     publish::register(m)?;
+    kv::register(m)?;
     Ok(())
 }

@@ -1,0 +1,171 @@
+"""GPU tests of stablebuf.hf.StableCache and the KvCache bindings (issue 45): they skip without
+torch, transformers or a CUDA device.
+
+  * StableCache's generate() output equals StaticCache's token for token on a small random
+    Llama (eager, then torch.compile(mode="reduce-overhead") through generate's own compile).
+  * A masked SDPA over max_len on a partly-grown cache (rows mapped only as far as the tokens
+    go, the rest the read-only zero granule) equals the same SDPA on a dense copy, and faults
+    nowhere (the next synchronize would raise).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+if importlib.util.find_spec("transformers") is None:
+    pytest.skip("transformers is not installed", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def torch():
+    import torch as torch_module
+
+    return torch_module
+
+
+@pytest.fixture(scope="module")
+def llama(torch):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).to(device="cuda", dtype=torch.bfloat16).eval()
+
+
+def _cache_kw(model) -> str:
+    """transformers 5.x names the argument `cache` (`past_key_values` deprecated)."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _generate(model, cache, inputs, new_tokens, compile_):
+    kwargs = {_cache_kw(model): cache}
+    if not compile_:
+        kwargs["disable_compile"] = True
+    return model.generate(
+        inputs, max_new_tokens=new_tokens, do_sample=False, min_new_tokens=new_tokens, **kwargs
+    )
+
+
+@pytest.mark.parametrize("compile_", [False, True], ids=["eager", "reduce-overhead"])
+@pytest.mark.parametrize("follow", [False, True], ids=["whole-rows", "follow"])
+def test_stable_cache_generates_what_static_cache_does(torch, llama, compile_, follow):
+    from transformers import StaticCache
+
+    from stablebuf.hf import StableCache
+
+    torch.manual_seed(1)
+    inputs = torch.randint(0, llama.config.vocab_size, (2, 17), device="cuda")
+    new, max_len = 24, 64
+    static = StaticCache(config=llama.config, max_cache_len=max_len)
+    expected = _generate(llama, static, inputs, new, compile_)
+    stable = StableCache(config=llama.config, max_cache_len=max_len, follow=follow)
+    extra = {"logits_processor": [stable.grower()]} if follow else {}
+    kwargs = {_cache_kw(llama): stable, **extra}
+    if not compile_:
+        kwargs["disable_compile"] = True
+    got = llama.generate(inputs, max_new_tokens=new, do_sample=False, min_new_tokens=new, **kwargs)
+    torch.cuda.synchronize()
+    assert torch.equal(got, expected)
+    stats = stable.memory_stats()
+    assert stats["sequences"] == 2
+    if follow:
+        # 64 tokens of 2 x 32 bf16 = 8 KiB: one granule per (sequence, layer, K/V).
+        assert stats["physical_granules"] == 2 * 3 * 2
+
+
+def test_stable_cache_keeps_its_addresses_across_reset(torch, llama):
+    from stablebuf.hf import StableCache
+
+    cache = StableCache(config=llama.config, max_cache_len=32)
+    inputs = torch.randint(0, llama.config.vocab_size, (1, 5), device="cuda")
+    llama(inputs, **{_cache_kw(llama): cache}, use_cache=True)
+    before = [layer.keys.data_ptr() for layer in cache.layers]
+    cache.reset()
+    torch.cuda.synchronize()
+    assert [layer.keys.data_ptr() for layer in cache.layers] == before
+    assert cache.memory_stats()["sequences"] == 0
+    assert int(cache.layers[0].keys.abs().sum()) == 0  # reads the zero granule, no fault
+
+
+def test_masked_sdpa_over_a_partly_grown_cache(torch):
+    import torch.nn.functional as F
+
+    from stablebuf import _native
+    from stablebuf.hf import kv_tensors, lengths_tensor
+
+    layers, batch, max_len, kv_heads, head_dim = 2, 4, 20000, 2, 64  # 8,192 tokens per granule
+    kv = _native.KvCache(torch.cuda.current_device(), layers, batch, max_len, kv_heads, head_dim)
+    lengths = [1, 9000, 0, 17]  # slot 2 empty: all zeros; slot 1 spans two granules of three
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for seq, n in enumerate(lengths):
+        if n:
+            kv.grow(seq, n)
+    kv.publish_lengths()
+    assert lengths_tensor(kv).tolist() == lengths
+    for layer in range(layers):
+        keys, values = kv_tensors(kv, layer)
+        assert keys.shape == (batch, max_len, kv_heads, head_dim)
+        for seq, n in enumerate(lengths):
+            if n:
+                keys[seq, :n].copy_(torch.randn(n, kv_heads, head_dim, generator=g, device="cuda"))
+                values[seq, :n].copy_(torch.randn(n, kv_heads, head_dim, generator=g, device="cuda"))
+        q = torch.randn(batch, kv_heads * 2, 1, head_dim, generator=g, device="cuda", dtype=torch.bfloat16)
+        pos = torch.arange(max_len, device="cuda")
+        lens = torch.tensor(lengths, device="cuda")
+        mask = ((pos[None] < lens[:, None]) | (pos[None] == 0))[:, None, None, :]
+        k = keys.permute(0, 2, 1, 3)
+        v = values.permute(0, 2, 1, 3)
+        got = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        dense = F.scaled_dot_product_attention(
+            q, k.contiguous(), v.contiguous(), attn_mask=mask, enable_gqa=True
+        )
+        torch.cuda.synchronize()  # a fault in the strided read would raise here
+        torch.testing.assert_close(got, dense, atol=1e-2, rtol=1e-2)
+        # Past each length the rows read zeros.
+        assert int(keys[1, 9000:].abs().sum()) == 0
+        assert int(keys[2].abs().sum()) == 0
+        # The reference on the valid tokens only.
+        for seq, n in enumerate(lengths):
+            m = max(n, 1)
+            ref = F.scaled_dot_product_attention(
+                q[seq : seq + 1].float(),
+                k[seq : seq + 1, :, :m].float().repeat_interleave(2, 1),
+                v[seq : seq + 1, :, :m].float().repeat_interleave(2, 1),
+            )
+            torch.testing.assert_close(got[seq : seq + 1].float(), ref, atol=2e-2, rtol=2e-2)
+    stats = kv.stats()
+    assert stats["physical_granules"] == layers * 2 * (1 + 2 + 1)
+    kv.release(1)
+    torch.cuda.synchronize()
+    keys, _ = kv_tensors(kv, 0)
+    assert int(keys[1].abs().sum()) == 0
+
+
+def test_sleep_and_wake_keep_the_views(torch):
+    from stablebuf import _native
+    from stablebuf.hf import kv_tensors
+
+    kv = _native.KvCache(torch.cuda.current_device(), 1, 2, 1000, 2, 64)
+    kv.grow(0, 10)
+    keys, _ = kv_tensors(kv, 0)
+    keys[0, :10].fill_(1.5)
+    torch.cuda.synchronize()
+    assert kv.sleep(keep=True) > 0
+    assert int(keys[0].abs().sum()) == 0  # asleep: zeros, same address
+    assert kv.wake() > 0
+    assert float(keys[0, :10].float().mean()) == 1.5
