@@ -182,14 +182,16 @@ class StableCache(_Cache):
             raise NotImplementedError(
                 f"StableCache holds full-attention layers only; this config has {unsupported}"
             )
-        self.max_cache_len = int(max_cache_len)
-        self.max_batch_size = max_batch_size
+        # Not `self.max_cache_len` / `self.max_batch_size`: transformers 5.x makes those
+        # read-only properties of Cache (answered by the layers).
+        self._max_len = int(max_cache_len)
+        self._max_batch = max_batch_size
         self.follow = bool(follow)
         self.ahead_tokens = int(ahead_tokens)
         self.kv = kv
         self._host_len = 0  # tokens written so far (eager updates and grow_to)
         self._batch = 0
-        layers = [_StableLayer(max_cache_len=self.max_cache_len, owner=self, index=i) for i in range(len(types))]
+        layers = [_StableLayer(max_cache_len=self._max_len, owner=self, index=i) for i in range(len(types))]
         super().__init__(layers=layers)
 
     # ---- the KvCache -------------------------------------------------------------------
@@ -204,12 +206,12 @@ class StableCache(_Cache):
         if key_states.device.type != "cuda":
             raise ValueError(f"StableCache lives on a CUDA device, not {key_states.device}")
         if self.kv is None:
-            max_batch = max(batch, self.max_batch_size or batch)
+            max_batch = max(batch, self._max_batch or batch)
             self.kv = _native.KvCache(
                 key_states.device.index if key_states.device.index is not None else torch.cuda.current_device(),
                 len(self.layers),
                 max_batch,
-                self.max_cache_len,
+                self._max_len,
                 heads,
                 head_dim,
                 dtype=_DTYPES[key_states.dtype],
@@ -217,7 +219,7 @@ class StableCache(_Cache):
             )
         kv = self.kv
         expect = (kv.kv_heads, kv.head_dim, kv.dtype, kv.max_len)
-        found = (heads, head_dim, _DTYPES[key_states.dtype], self.max_cache_len)
+        found = (heads, head_dim, _DTYPES[key_states.dtype], self._max_len)
         if expect != found:
             raise ValueError(f"layer {index}: (kv_heads, head_dim, dtype, max_len) {found}, KvCache {expect}")
         if batch > kv.max_batch:
