@@ -45,6 +45,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::driver::{CudaContext, CudaStream};
 
+use crate::buffer::DeviceBuffer;
 use crate::driver::traced;
 use crate::error::{Error, LayoutError, Result};
 use crate::fence::FencePolicy;
@@ -82,6 +83,25 @@ pub enum KvKind {
     K,
     /// Values.
     V,
+}
+
+/// One layer's K or V buffer of a [`KvCache`] ([`KvCache::buffer`]): its address and length
+/// for the launchers' and copies' range checks.
+#[derive(Clone, Copy, Debug)]
+pub struct KvBuffer<'a> {
+    address: u64,
+    bytes: usize,
+    _cache: std::marker::PhantomData<&'a KvCache>,
+}
+
+impl DeviceBuffer for KvBuffer<'_> {
+    fn device_address(&self) -> cudarc::driver::sys::CUdeviceptr {
+        self.address
+    }
+
+    fn byte_len(&self) -> usize {
+        self.bytes
+    }
 }
 
 /// A KV cache on stable addresses. See the module docs. `Send + Sync`; every method locks.
@@ -150,6 +170,21 @@ impl KvCache {
         }
         let buffer = 2 * layer + usize::from(kind == KvKind::V);
         Ok(state.base() + state.geometry.row_offset(buffer, 0) as u64)
+    }
+
+    /// Layer `layer`'s K (or V) buffer as a copy operand ([`crate::buffer::copy_between`]):
+    /// `max_batch` rows of [`KvCache::seq_stride`] bytes, every byte mapped (data or zeros).
+    /// Borrows the cache, so the range cannot outlive the reservation. Copy into a row only
+    /// after [`KvCache::write_guard`] over the tokens written: the zero granule is read-only.
+    pub fn buffer(&self, layer: usize, kind: KvKind) -> Result<KvBuffer<'_>> {
+        let address = self.buffer_ptr(layer, kind)?;
+        let state = self.lock();
+        let bytes = state.geometry.layout.max_batch * state.geometry.seq_stride;
+        Ok(KvBuffer {
+            address,
+            bytes,
+            _cache: std::marker::PhantomData,
+        })
     }
 
     /// Base address of layer `layer`'s K buffer.

@@ -1,0 +1,536 @@
+//! What `kv_decode.rs` and `tests/gpu_kv.rs` share: a model's attention geometry, the decode
+//! step over a [`KvCache`] as graph work (per layer: append the step's token, then decode
+//! attention reading each sequence's length from device memory), a host mirror of the cache,
+//! and a seeded serving run (admissions with prompts copied in, forks by prefix sharing,
+//! releases, a sleep and wake) checked against the CPU reference every few steps and bit for
+//! bit at the end.
+#![allow(dead_code)]
+
+use std::sync::Arc;
+
+use rand::{rngs::StdRng, Rng};
+use stablebuf::buffer::copy_between;
+use stablebuf::cudarc::driver::{sys, CudaStream};
+use stablebuf::kernels::{attention_reference, bf16_from_f32, AttentionKernels, AttentionShape};
+use stablebuf::kv::{KvCache, KvKind, KvLayout};
+use stablebuf::{DeviceBuffer, Error, HostStorage, Layout, Result, Space};
+
+/// A device range by address (a part of a slot), owned by graph work.
+#[derive(Clone, Copy, Debug)]
+pub struct Raw {
+    pub ptr: sys::CUdeviceptr,
+    pub bytes: usize,
+}
+
+impl DeviceBuffer for Raw {
+    fn device_address(&self) -> sys::CUdeviceptr {
+        self.ptr
+    }
+    fn byte_len(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl Raw {
+    pub fn of(buffer: &impl DeviceBuffer) -> Self {
+        Self {
+            ptr: buffer.device_address(),
+            bytes: buffer.byte_len(),
+        }
+    }
+
+    /// `bytes` from `offset`; panics outside the range (a bug in this file, not bad input).
+    pub fn part(&self, offset: usize, bytes: usize) -> Self {
+        assert!(offset + bytes <= self.bytes, "part outside its range");
+        Self {
+            ptr: self.ptr + offset as u64,
+            bytes,
+        }
+    }
+}
+
+/// The attention geometry of a model and the batch its cache is reserved for.
+#[derive(Clone, Copy, Debug)]
+pub struct Model {
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub max_batch: usize,
+    pub max_len: usize,
+}
+
+impl Model {
+    pub fn layout(&self) -> KvLayout {
+        KvLayout {
+            layers: self.layers,
+            max_batch: self.max_batch,
+            max_len: self.max_len,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+            dtype_bytes: 2,
+        }
+    }
+
+    /// Elements of one token in one layer's K (or V).
+    pub fn token(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+
+    /// Elements of one layer's queries (and outputs): `[max_batch, heads, head_dim]`.
+    pub fn q_elems(&self) -> usize {
+        self.max_batch * self.heads * self.head_dim
+    }
+
+    /// The launch shape over `cache` (its rows are `seq_stride` bytes apart).
+    pub fn shape(&self, cache: &KvCache) -> AttentionShape {
+        AttentionShape {
+            batch: self.max_batch,
+            heads: self.heads,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+            seq_stride: cache.seq_stride() / 2,
+            max_len: self.max_len,
+        }
+    }
+}
+
+/// The step's inputs and outputs, one part per layer: queries, the new token's K and V (bf16),
+/// the FP32 attention output.
+#[derive(Clone, Copy, Debug)]
+pub struct StepIo {
+    q: Raw,
+    k_new: Raw,
+    v_new: Raw,
+    out: Raw,
+    model: Model,
+}
+
+impl StepIo {
+    /// The slots [`StepIo`] needs, for a [`Layout`] builder.
+    pub fn slots(model: &Model) -> [(&'static str, usize); 4] {
+        let tokens = model.layers * model.max_batch * model.token() * 2;
+        [
+            ("q", model.layers * model.q_elems() * 2),
+            ("k_new", tokens),
+            ("v_new", tokens),
+            ("out", model.layers * model.q_elems() * 4),
+        ]
+    }
+
+    pub fn new(space: &Space, stream: &Arc<CudaStream>, model: Model) -> Result<Self> {
+        let raw = |name: &str| -> Result<Raw> { Ok(Raw::of(&space.view::<u8>(name, stream)?)) };
+        Ok(Self {
+            q: raw("q")?,
+            k_new: raw("k_new")?,
+            v_new: raw("v_new")?,
+            out: raw("out")?,
+            model,
+        })
+    }
+
+    fn q(&self, layer: usize) -> Raw {
+        let bytes = self.model.q_elems() * 2;
+        self.q.part(layer * bytes, bytes)
+    }
+
+    fn k_new(&self, layer: usize) -> Raw {
+        let bytes = self.model.max_batch * self.model.token() * 2;
+        self.k_new.part(layer * bytes, bytes)
+    }
+
+    fn v_new(&self, layer: usize) -> Raw {
+        let bytes = self.model.max_batch * self.model.token() * 2;
+        self.v_new.part(layer * bytes, bytes)
+    }
+
+    fn out(&self, layer: usize) -> Raw {
+        let bytes = self.model.q_elems() * 4;
+        self.out.part(layer * bytes, bytes)
+    }
+}
+
+/// One decode step over `cache` as graph work: per layer, the step's token appended at each
+/// sequence's `length - 1`, then attention over its valid tokens. Lengths are read from
+/// `cache`'s device array, so one graph captured at `max_batch` serves every step.
+pub fn step_work(
+    kernels: Arc<AttentionKernels>,
+    model: Model,
+    cache: &KvCache,
+    io: StepIo,
+) -> Result<impl FnMut(&Arc<CudaStream>) -> Result<()> + Send + 'static> {
+    let shape = model.shape(cache);
+    let k = (0..model.layers)
+        .map(|l| cache.k_ptr(l))
+        .collect::<Result<Vec<_>>>()?;
+    let v = (0..model.layers)
+        .map(|l| cache.v_ptr(l))
+        .collect::<Result<Vec<_>>>()?;
+    let lengths = cache.lengths_device_ptr();
+    Ok(move |stream: &Arc<CudaStream>| {
+        for layer in 0..model.layers {
+            kernels.append(
+                stream,
+                shape,
+                k[layer],
+                v[layer],
+                &io.k_new(layer),
+                &io.v_new(layer),
+                lengths,
+            )?;
+            kernels.decode_attention(
+                stream,
+                shape,
+                &io.q(layer),
+                k[layer],
+                v[layer],
+                lengths,
+                &io.out(layer),
+            )?;
+        }
+        Ok(())
+    })
+}
+
+/// The host's copy of what the cache must hold: per (layer, K/V) buffer, `max_batch` rows of
+/// `cap` tokens, and each sequence's length.
+pub struct Mirror {
+    model: Model,
+    cap: usize,
+    rows: Vec<Vec<u16>>,
+    pub lengths: Vec<usize>,
+}
+
+impl Mirror {
+    pub fn new(model: Model, cap: usize) -> Self {
+        let row = model.max_batch * cap * model.token();
+        Self {
+            model,
+            cap,
+            rows: vec![vec![0; row]; 2 * model.layers],
+            lengths: vec![0; model.max_batch],
+        }
+    }
+
+    fn at(&self, seq: usize, token: usize) -> usize {
+        (seq * self.cap + token) * self.model.token()
+    }
+
+    /// Tokens `[0, len)` of `seq` in `buffer` (2·layer + {0: K, 1: V}).
+    pub fn row(&self, buffer: usize, seq: usize) -> &[u16] {
+        let start = self.at(seq, 0);
+        &self.rows[buffer][start..start + self.lengths[seq] * self.model.token()]
+    }
+
+    fn set_token(&mut self, buffer: usize, seq: usize, token: usize, data: &[u16]) {
+        assert!(
+            token < self.cap,
+            "the mirror holds {} tokens per sequence",
+            self.cap
+        );
+        let start = self.at(seq, token);
+        self.rows[buffer][start..start + data.len()].copy_from_slice(data);
+    }
+
+    /// The reference output of layer `layer` for queries `q` (bf16 bits), FP32.
+    pub fn reference(&self, layer: usize, q: &[u16]) -> Result<Vec<f32>> {
+        let shape = AttentionShape {
+            batch: self.model.max_batch,
+            heads: self.model.heads,
+            kv_heads: self.model.kv_heads,
+            head_dim: self.model.head_dim,
+            seq_stride: self.cap * self.model.token(),
+            max_len: self.cap,
+        };
+        let lengths: Vec<u32> = self.lengths.iter().map(|&l| l as u32).collect();
+        attention_reference(
+            shape,
+            q,
+            &self.rows[2 * layer],
+            &self.rows[2 * layer + 1],
+            &lengths,
+        )
+    }
+}
+
+/// Random bf16 bits in `[-scale, scale)`.
+pub fn random_bf16(rng: &mut StdRng, len: usize, scale: f32) -> Vec<u16> {
+    (0..len)
+        .map(|_| bf16_from_f32(rng.gen_range(-scale..scale)))
+        .collect()
+}
+
+/// The serving run's knobs.
+#[derive(Clone, Copy, Debug)]
+pub struct ServeRun {
+    pub steps: usize,
+    /// Longest prompt copied in at admission.
+    pub max_prompt: usize,
+    /// Compare with the CPU reference every this many steps (and at the last).
+    pub check_every: usize,
+    /// Sleep and wake the cache before this step (none if past the end).
+    pub sleep_at: usize,
+}
+
+/// What a serving run did, for the caller's report.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ServeReport {
+    pub admitted: usize,
+    pub forked: usize,
+    pub released: usize,
+    pub checked_outputs: usize,
+    pub checked_tokens: usize,
+    pub max_abs_error: f32,
+    pub shared_granules_seen: usize,
+}
+
+fn mismatch(what: String) -> Error {
+    Error::Layout(stablebuf::error::LayoutError::InvalidShape(what))
+}
+
+/// A scratch space with [`StepIo`]'s slots and a staging slot of one sequence's prompt in every
+/// buffer (`max_prompt` tokens each), also used to read rows back.
+pub fn serve_space(
+    ctx: &Arc<stablebuf::cudarc::driver::CudaContext>,
+    model: &Model,
+    max_prompt: usize,
+) -> Result<Space> {
+    let staging = 2 * model.layers * max_prompt * model.token() * 2;
+    let layout = StepIo::slots(model)
+        .iter()
+        .fold(Layout::builder(), |b, (name, bytes)| {
+            b.scratch(*name, *bytes)
+        })
+        .scratch("staging", staging)
+        .build()?;
+    Space::new(ctx, layout)
+}
+
+/// Copies `seq`'s prompt (`prompt` tokens, fresh random data) into the cache after growing it,
+/// and into the mirror.
+#[allow(clippy::too_many_arguments)]
+fn admit(
+    rng: &mut StdRng,
+    cache: &KvCache,
+    space: &Space,
+    stream: &Arc<CudaStream>,
+    mirror: &mut Mirror,
+    max_prompt: usize,
+    seq: usize,
+    prompt: usize,
+) -> Result<()> {
+    let model = mirror.model;
+    let token = model.token();
+    let buffers = 2 * model.layers;
+    let mut staging = vec![0u16; buffers * max_prompt * token];
+    for buffer in 0..buffers {
+        let data = random_bf16(rng, prompt * token, 1.0);
+        staging[buffer * max_prompt * token..][..prompt * token].copy_from_slice(&data);
+    }
+    space.write(stream, "staging", &staging)?;
+    cache.grow(seq, prompt)?;
+    cache.write_guard(seq, 0..prompt)?;
+    let source = space.view::<u16>("staging", stream)?;
+    let row = seq * cache.seq_stride();
+    for buffer in 0..buffers {
+        let kind = if buffer % 2 == 0 {
+            KvKind::K
+        } else {
+            KvKind::V
+        };
+        let target = cache.buffer(buffer / 2, kind)?;
+        copy_between(
+            stream,
+            &target,
+            row,
+            &source,
+            buffer * max_prompt * token * 2,
+            prompt * token * 2,
+        )?;
+    }
+    stream.synchronize().map_err(Error::from)?;
+    mirror.lengths[seq] = prompt;
+    for buffer in 0..buffers {
+        let data = &staging[buffer * max_prompt * token..][..prompt * token];
+        for t in 0..prompt {
+            mirror.set_token(buffer, seq, t, &data[t * token..(t + 1) * token]);
+        }
+    }
+    Ok(())
+}
+
+/// A seeded serving run over `cache` with the graph `replay` captured over it (see
+/// [`step_work`]): sequences are admitted with random prompts, forked from a running one by
+/// [`KvCache::share_prefix`], grown a token per step, released and replaced; each step writes
+/// fresh random queries and tokens, poisons the output with NaN and replays. Outputs are
+/// compared with the CPU reference every `check_every` steps, and every row's bytes with the
+/// mirror at the end.
+#[allow(clippy::too_many_arguments)]
+pub fn serve(
+    rng: &mut StdRng,
+    cache: &KvCache,
+    space: &Space,
+    stream: &Arc<CudaStream>,
+    replay: &dyn Fn() -> Result<()>,
+    model: Model,
+    run: ServeRun,
+    cap: usize,
+) -> Result<ServeReport> {
+    let mut mirror = Mirror::new(model, cap);
+    let mut report = ServeReport::default();
+    let token = model.token();
+    for step in 0..run.steps {
+        if step == run.sleep_at {
+            cache.sleep(&HostStorage::Pageable)?;
+            cache.wake()?;
+        }
+        // Events: admit into free slots, fork a running sequence, release one.
+        for seq in 0..model.max_batch {
+            let len = mirror.lengths[seq];
+            if len == 0 && rng.gen_bool(0.3) {
+                let running: Vec<usize> = (0..model.max_batch)
+                    .filter(|&s| mirror.lengths[s] > 0)
+                    .collect();
+                if !running.is_empty() && rng.gen_bool(0.4) {
+                    let from = running[rng.gen_range(0..running.len())];
+                    let tokens = rng.gen_range(1..=mirror.lengths[from]);
+                    cache.share_prefix(from, seq, tokens)?;
+                    mirror.lengths[seq] = tokens;
+                    for buffer in 0..2 * model.layers {
+                        let row: Vec<u16> = mirror.row(buffer, from)[..tokens * token].to_vec();
+                        for t in 0..tokens {
+                            mirror.set_token(buffer, seq, t, &row[t * token..(t + 1) * token]);
+                        }
+                    }
+                    report.forked += 1;
+                } else {
+                    let prompt = rng.gen_range(1..=run.max_prompt);
+                    admit(
+                        rng,
+                        cache,
+                        space,
+                        stream,
+                        &mut mirror,
+                        run.max_prompt,
+                        seq,
+                        prompt,
+                    )?;
+                    report.admitted += 1;
+                }
+            } else if len > 0 && (len + 1 >= cap || rng.gen_bool(0.05)) {
+                cache.release(seq)?;
+                mirror.lengths[seq] = 0;
+                report.released += 1;
+            }
+        }
+        report.shared_granules_seen = report
+            .shared_granules_seen
+            .max(cache.stats().shared_granules);
+        // The step's token: every running sequence grows by one, written by the graph.
+        for seq in 0..model.max_batch {
+            let len = mirror.lengths[seq];
+            if len > 0 {
+                cache.grow(seq, len + 1)?;
+                cache.write_guard(seq, len..len + 1)?;
+                mirror.lengths[seq] = len + 1;
+            }
+        }
+        cache.publish_lengths()?;
+        let q = random_bf16(rng, model.layers * model.q_elems(), 1.0);
+        let k_new = random_bf16(rng, model.layers * model.max_batch * token, 1.0);
+        let v_new = random_bf16(rng, model.layers * model.max_batch * token, 1.0);
+        space.write(stream, "q", &q)?;
+        space.write(stream, "k_new", &k_new)?;
+        space.write(stream, "v_new", &v_new)?;
+        space.write(
+            stream,
+            "out",
+            &vec![f32::NAN; model.layers * model.q_elems()],
+        )?;
+        replay()?;
+        stream.synchronize().map_err(Error::from)?;
+        for layer in 0..model.layers {
+            for seq in 0..model.max_batch {
+                let len = mirror.lengths[seq];
+                if len > 0 {
+                    let at = (layer * model.max_batch + seq) * token;
+                    mirror.set_token(2 * layer, seq, len - 1, &k_new[at..at + token]);
+                    mirror.set_token(2 * layer + 1, seq, len - 1, &v_new[at..at + token]);
+                }
+            }
+        }
+        if step % run.check_every == 0 || step + 1 == run.steps {
+            let out: Vec<f32> = space.read(stream, "out")?;
+            for layer in 0..model.layers {
+                let q_layer = &q[layer * model.q_elems()..][..model.q_elems()];
+                let want = mirror.reference(layer, q_layer)?;
+                let got = &out[layer * model.q_elems()..][..model.q_elems()];
+                for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
+                    let close = approx::relative_eq!(g, w, epsilon = 2e-4, max_relative = 2e-3);
+                    if !close {
+                        return Err(mismatch(format!(
+                            "step {step} layer {layer}: output {i} (sequence {}) is {g}, the CPU \
+                             reference {w}",
+                            i / (model.heads * model.head_dim)
+                        )));
+                    }
+                    report.max_abs_error = report.max_abs_error.max((g - w).abs());
+                }
+                report.checked_outputs += got.len();
+            }
+        }
+    }
+    report.checked_tokens = check_rows(cache, space, stream, &mirror, run.max_prompt)?;
+    Ok(report)
+}
+
+/// Reads every running sequence's rows back (through the staging slot, `max_prompt` tokens at
+/// a time) and compares them with the mirror bit for bit. Returns the tokens compared.
+fn check_rows(
+    cache: &KvCache,
+    space: &Space,
+    stream: &Arc<CudaStream>,
+    mirror: &Mirror,
+    max_prompt: usize,
+) -> Result<usize> {
+    let model = mirror.model;
+    let token = model.token();
+    let staging = space.view::<u16>("staging", stream)?;
+    let chunk = 2 * model.layers * max_prompt;
+    let mut compared = 0;
+    for buffer in 0..2 * model.layers {
+        let kind = if buffer % 2 == 0 {
+            KvKind::K
+        } else {
+            KvKind::V
+        };
+        let source = cache.buffer(buffer / 2, kind)?;
+        for seq in 0..model.max_batch {
+            let want = mirror.row(buffer, seq);
+            let len = mirror.lengths[seq];
+            for first in (0..len).step_by(chunk) {
+                let n = chunk.min(len - first);
+                copy_between(
+                    stream,
+                    &staging,
+                    0,
+                    &source,
+                    seq * cache.seq_stride() + first * token * 2,
+                    n * token * 2,
+                )?;
+                let got: Vec<u16> = space.read(stream, "staging")?;
+                if got[..n * token] != want[first * token..(first + n) * token] {
+                    let i = (0..n * token)
+                        .find(|&i| got[i] != want[first * token + i])
+                        .unwrap_or(0);
+                    return Err(mismatch(format!(
+                        "buffer {buffer} sequence {seq}: token {} differs from the mirror",
+                        first + i / token
+                    )));
+                }
+                compared += n;
+            }
+        }
+    }
+    Ok(compared)
+}
