@@ -17,10 +17,13 @@ The trainer's communicator is a standalone ``ProcessGroupNCCL`` of two ranks (th
 (an epoch): it is not registered with ``torch.distributed``'s world, shares nothing with the
 engine's tensor-parallel group, and :meth:`RemoteEngine.poll` aborts it alone (its
 ``abort()``) when the trainer leaves, is replaced, or stalls for ``stall_timeout`` seconds
-mid-transfer. Its ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` is 2 (clean up only: the watchdog aborts
-the communicator on its own timeout and never kills the process); the engine never calls
-``Work.wait`` on it (which would make the serving stream wait on a transfer that may never
-end): it only asks ``is_completed()`` at step boundaries.
+mid-transfer. It is built under :data:`stablebuf._remote.PAIR_GROUP_ENV`
+(``TORCH_NCCL_BLOCKING_WAIT=1``: no watchdog or heartbeat-monitor thread, whose error path
+sleeps 60 s before aborting, blocks the group's destruction and can take the engine process
+down; see there). The engine asks ``is_completed()`` at step boundaries and calls
+``Work.wait`` only on a completed operation, to read its error (a completed operation's wait
+returns at once; a failed one's aborts the communicator and raises): it never makes the serving
+stream wait on a transfer that may never end.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from ._native import OfferMismatch, PeerClosed, PublishError, PublishTimeout, Ve
 from ._remote import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_STALL_TIMEOUT,
+    PAIR_GROUP_ENV,
     ControlTimeout,
     EngineControl,
     Offer,
@@ -52,11 +56,13 @@ from ._remote import (
     operation_error,
     overlaps,
     plan_ranges,
+    scoped_env,
 )
 from ._switcher import DEFAULT_AGREE_EVERY, Switch, VersionSwitcher, check_agree_every
 
-#: The NCCL watchdog's timeout on a trainer's communicator (a backstop: the engine's own stall
-#: watch aborts it first).
+#: The ``ProcessGroupNCCL`` timeout of a trainer's communicator: how long its ``abort()`` waits
+#: for NCCL's abort before it raises. (No watchdog runs on it: the engine's stall watch is the
+#: transfer's timeout.)
 DEFAULT_NCCL_TIMEOUT = 600.0
 
 
@@ -96,17 +102,12 @@ class PairGroup:
         prefixed = dist.PrefixStore(prefix, store)
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = datetime.timedelta(seconds=timeout)
-        # Read by the constructor: this communicator's errors clean up, never kill.
-        saved = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
-        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
-        try:
+        # Read by the constructor only: no watchdog or monitor thread (see PAIR_GROUP_ENV).
+        with scoped_env(PAIR_GROUP_ENV):
             self.backend = dist.ProcessGroupNCCL(prefixed, rank, 2, options)
-        finally:
-            if saved is None:
-                os.environ.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
-            else:
-                os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = saved
         self.aborted = False
+        #: Seconds the last :meth:`abort` took (``None``: not aborted), for the engine's report.
+        self.abort_seconds: Optional[float] = None
 
     def broadcast(self, tensor: Any) -> Any:
         import torch.distributed as dist
@@ -114,21 +115,28 @@ class PairGroup:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         opts.rootTensor = 0
+        if hasattr(opts, "asyncOp"):
+            # On NCCL's own stream, never the caller's (torch's synchronous mode enqueues on
+            # the current stream: the serving stream would wait behind a stalled receive).
+            opts.asyncOp = True
         return self.backend.broadcast([tensor], opts)
 
     def abort(self) -> None:
         """Aborts this communicator alone (``ncclCommAbort``): operations in flight end, its
-        memory and descriptors go. Idempotent."""
+        memory and descriptors go. Idempotent. Never ``shutdown`` first: it flushes the
+        operations in flight, which a dead peer never completes."""
         if self.aborted:
             return
         self.aborted = True
+        start = time.monotonic()
         for name in ("abort", "_abort", "shutdown", "_shutdown"):
             method = getattr(self.backend, name, None)
             if method is not None:
                 with contextlib.suppress(Exception):
                     method()
                 break
-        self.backend = None
+        self.backend = None  # its destructor joins no thread (blocking-wait mode)
+        self.abort_seconds = time.monotonic() - start
 
 
 def _poll_done(work: Any, deadline: float) -> None:
@@ -515,11 +523,13 @@ def make_remote_engine_class(
                 self._control.done(transfer.offer, "received")
             elif state in ("stalled", "failed"):
                 reason = transfer.watch.failure
-                self._drop_trainer(f"version {transfer.offer.version}'s transfer {state}: {reason}")
+                abort_s = self._drop_trainer(
+                    f"version {transfer.offer.version}'s transfer {state}: {reason}")
+                took = "" if abort_s is None else f" in {abort_s:.2f} s"
                 problems.append(
                     f"PeerClosed: the trainer's transfer of version {transfer.offer.version} "
-                    f"{state} ({reason}): its communicator alone was aborted; the engine serves "
-                    f"on version {self.version}, and a new trainer may join"
+                    f"{state} ({reason}): its communicator alone was aborted{took}; the engine "
+                    f"serves on version {self.version}, and a new trainer may join"
                 )
 
         def _bucket_step(self, transfer: _Transfer, now: float) -> str:
@@ -547,20 +557,24 @@ def make_remote_engine_class(
                                    self.stall_timeout, time.monotonic())
             return "waiting"
 
-        def _drop_trainer(self, reason: Optional[str] = None) -> None:
+        def _drop_trainer(self, reason: Optional[str] = None) -> Optional[float]:
+            """Drops the trainer (aborts its communicator); returns the seconds the abort
+            took, or ``None`` where none was connected."""
             transfer, self._transfer = self._transfer, None
             if transfer is not None and transfer.weight_set is not None:
                 self._free.append(transfer.weight_set.id)  # never committed: free again
             self._pending = None
             pair, self._channel = self._channel, None
-            if pair is not None:
-                pair.abort()
-                epoch = self._control.epoch
-                self.timeline.append(("dropped", epoch, time.monotonic()))
-                if reason is not None and epoch:
-                    with contextlib.suppress(Exception):
-                        self._control.drop(epoch, reason)
-                self._control.epoch = 0
+            if pair is None:
+                return None
+            pair.abort()
+            epoch = self._control.epoch
+            self.timeline.append(("dropped", epoch, time.monotonic()))
+            if reason is not None and epoch:
+                with contextlib.suppress(Exception):
+                    self._control.drop(epoch, reason)
+            self._control.epoch = 0
+            return pair.abort_seconds
 
         def _apply(self, switch: Switch, problems: List[str]) -> None:
             for weight_set in switch.released:

@@ -25,10 +25,15 @@ the trainer waits with deadlines (:func:`wait_key`).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
+from typing import (
+    Any, Callable, Iterable, Iterator, List, Mapping, MutableMapping, Optional, Sequence, Tuple,
+)
 
 #: Default bytes per received operation: the granularity of the stall watch.
 DEFAULT_CHUNK_BYTES = 256 << 20
@@ -37,6 +42,54 @@ DEFAULT_CHUNK_BYTES = 256 << 20
 DEFAULT_STALL_TIMEOUT = 10.0
 
 Range = Tuple[int, int]
+
+#: The environment a trainer's communicator (``_nccl_sync.PairGroup``) is built under; torch's
+#: ``ProcessGroupNCCL`` reads these in its constructor only.
+#:
+#: ``TORCH_NCCL_BLOCKING_WAIT=1``: no watchdog thread and no heartbeat-monitor thread for this
+#: communicator. Their error path is what must never run in an engine: on an operation's error
+#: (a trainer that died mid-transfer) torch's watchdog writes the flight-recorder dump signal
+#: into the control store and into a process-wide flag, then *sleeps 60 s* (4 x
+#: ``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC``) before it aborts; destroying the group joins that
+#: thread, so the engine's ``poll`` stalled for up to a minute. The flag also wakes the
+#: heartbeat monitor of the process's first ``ProcessGroupNCCL`` (an engine's own TP group, or
+#: any later trainer's communicator reading the signal from the store), which dumps, sleeps
+#: ``TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC`` (480 s) and then, unless
+#: ``TORCH_NCCL_ENABLE_MONITORING=0``, kills the process; its group's destruction (``close``,
+#: ``destroy_process_group``) blocks for those 480 s. Blocking-wait mode only changes
+#: ``Work.wait``, which the engine calls only on completed operations
+#: (:func:`operation_error`): it returns at once, or aborts the communicator and raises the
+#: operation's error. The engine's stall watch is the timeout.
+#: ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (clean up, never tear the process down) and
+#: ``TORCH_NCCL_DUMP_ON_TIMEOUT=0`` stay as a second line should a torch start those threads
+#: anyway.
+PAIR_GROUP_ENV = {
+    "TORCH_NCCL_BLOCKING_WAIT": "1",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+}
+
+_ENV_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def scoped_env(values: Mapping[str, str],
+               environ: Optional[MutableMapping[str, str]] = None) -> Iterator[None]:
+    """Sets ``values`` in ``environ`` (``os.environ``) for the ``with`` body and puts every
+    variable back as it was (removed where it was not set), also on an exception. One body at a
+    time in the process (communicators come up on helper threads)."""
+    env = os.environ if environ is None else environ
+    with _ENV_LOCK:
+        saved = {name: env.get(name) for name in values}
+        try:
+            env.update(values)
+            yield
+        finally:
+            for name, old in saved.items():
+                if old is None:
+                    env.pop(name, None)
+                else:
+                    env[name] = old
 
 
 class ControlTimeout(TimeoutError):

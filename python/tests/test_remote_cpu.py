@@ -11,6 +11,7 @@ import pytest
 import stablebuf.publish
 from stablebuf._manifest import Entry
 from stablebuf._remote import (
+    PAIR_GROUP_ENV,
     ControlTimeout,
     EngineControl,
     Keys,
@@ -20,6 +21,7 @@ from stablebuf._remote import (
     operation_error,
     overlaps,
     plan_ranges,
+    scoped_env,
     wait_key,
 )
 
@@ -200,3 +202,123 @@ def test_a_completed_torch_work_is_asked_through_wait_not_exception():
     assert watch.check(0.1) == "done"
     watch = Watch([TorchLikeWork(), TorchLikeWork(failure)], stall_timeout=1.0, started=0.0)
     assert watch.check(0.1) == "failed" and "remote process exited" in watch.failure
+
+
+def test_pair_group_env_has_no_watchdog_and_never_tears_down():
+    # Blocking-wait mode: torch starts neither the watchdog (whose error path sleeps 60 s and
+    # signals a flight-recorder dump) nor the heartbeat monitor (which sleeps 480 s and may
+    # kill the process) for the trainer's communicator.
+    assert PAIR_GROUP_ENV["TORCH_NCCL_BLOCKING_WAIT"] == "1"
+    assert PAIR_GROUP_ENV["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"  # clean up only
+    assert PAIR_GROUP_ENV["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0"
+
+
+def test_scoped_env_sets_then_restores_set_and_unset_variables_also_on_error():
+    env = {"KEEP": "k", "A": "old"}
+    with scoped_env({"A": "new", "B": "b"}, env):
+        assert env == {"KEEP": "k", "A": "new", "B": "b"}
+    assert env == {"KEEP": "k", "A": "old"}  # B was unset: removed again
+    with pytest.raises(RuntimeError):
+        with scoped_env({"A": "x", "B": "y"}, env):
+            raise RuntimeError("the constructor failed")
+    assert env == {"KEEP": "k", "A": "old"}
+
+
+def test_scoped_env_bodies_never_interleave():
+    import threading
+
+    env, seen, errors = {}, [], []
+    inside = threading.Event()
+    release = threading.Event()
+
+    def first():
+        with scoped_env({"V": "1"}, env):
+            inside.set()
+            release.wait(5)
+            seen.append(("first", env.get("V")))
+
+    def second():
+        inside.wait(5)
+        with scoped_env({"V": "2"}, env):
+            seen.append(("second", env.get("V")))
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    inside.wait(5)
+    import time
+
+    time.sleep(0.05)  # the second thread is at the lock by now
+    try:
+        assert seen == []  # the second waits for the first body to end
+    except AssertionError as e:  # pragma: no cover - reported below
+        errors.append(e)
+    release.set()
+    for t in threads:
+        t.join(5)
+    assert not errors
+    assert seen == [("first", "1"), ("second", "2")] and env == {}
+
+
+def _fake_torch(monkeypatch):
+    """A torch stand-in with just what ``_nccl_sync.PairGroup`` touches: its
+    ``ProcessGroupNCCL`` records the environment its constructor saw and the calls made."""
+    import os
+    import sys
+    import types
+
+    calls = []
+
+    class PairOptions:
+        pass
+
+    class BroadcastOptions:
+        asyncOp = False  # as if torch's default were the caller's stream
+
+    class ProcessGroupNCCL:
+        Options = PairOptions
+
+        def __init__(self, store, rank, size, options):
+            self.env = {k: os.environ.get(k) for k in PAIR_GROUP_ENV}
+            calls.append(("init", rank, size))
+
+        def broadcast(self, tensors, opts):
+            calls.append(("broadcast", opts.rootRank, opts.asyncOp))
+            return "work"
+
+        def abort(self):
+            calls.append(("abort",))
+
+        def shutdown(self):  # pragma: no cover - must never be called
+            calls.append(("shutdown",))
+
+    dist = types.SimpleNamespace(
+        PrefixStore=lambda prefix, store: (prefix, store), ProcessGroupNCCL=ProcessGroupNCCL,
+        BroadcastOptions=BroadcastOptions)
+    torch = types.SimpleNamespace(distributed=dist,
+                                  cuda=types.SimpleNamespace(is_available=lambda: True))
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setitem(sys.modules, "torch.distributed", dist)
+    return calls
+
+
+def test_pair_group_is_built_without_watchdog_and_aborted_never_shut_down(monkeypatch):
+    import os
+
+    from stablebuf._nccl_sync import PairGroup
+
+    calls = _fake_torch(monkeypatch)
+    for name in PAIR_GROUP_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")  # the user's, for other groups
+    pair = PairGroup(object(), "sync/tp0/pg/1/", 1, 0, timeout=5.0)
+    assert pair.backend.env == PAIR_GROUP_ENV  # what the constructor read
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"  # put back
+    assert "TORCH_NCCL_BLOCKING_WAIT" not in os.environ
+    assert pair.broadcast(object()) == "work"
+    assert calls[-1] == ("broadcast", 0, True)  # NCCL's own stream, never the caller's
+    assert pair.abort_seconds is None
+    pair.abort()
+    pair.abort()  # idempotent
+    assert [c for c in calls if c[0] in ("abort", "shutdown")] == [("abort",)]
+    assert pair.backend is None and pair.abort_seconds is not None
