@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import json
 import os
 import shutil
@@ -444,13 +445,12 @@ def make_remote_engine_class(
                     self._drop_trainer(f"a newer trainer (epoch {what}) joined")
                     if self._joining is not None:  # an older join still coming up
                         self._orphans.append(self._joining)
-                    device, store, prefix, timeout = (
-                        self._device, self._store, self._prefix, self.nccl_timeout)
-                    self._joining = _Joining(
-                        what,
-                        lambda: PairGroup(store, f"{prefix}/pg/{what}/", 1, device, timeout),
-                        time.monotonic() + self.join_timeout,
-                    )
+                    # Bound now: the helper thread calls the factory later, when this loop
+                    # may have rebound `what` (a second join read in the same call).
+                    factory = functools.partial(
+                        PairGroup, self._store, f"{self._prefix}/pg/{what}/", 1, self._device,
+                        self.nccl_timeout)
+                    self._joining = _Joining(what, factory, time.monotonic() + self.join_timeout)
                 elif kind == "leave":
                     self._drop_trainer(None)
                 elif kind == "offer":

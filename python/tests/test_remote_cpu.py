@@ -322,3 +322,41 @@ def test_pair_group_is_built_without_watchdog_and_aborted_never_shut_down(monkey
     pair.abort()  # idempotent
     assert [c for c in calls if c[0] in ("abort", "shutdown")] == [("abort",)]
     assert pair.backend is None and pair.abort_seconds is not None
+
+
+def test_two_joins_read_in_one_look_each_come_up_on_their_own_epoch(monkeypatch):
+    # The engine brings a trainer's communicator up on a helper thread, which calls the
+    # factory later: a factory closing over the loop's variables would build epoch 1's
+    # communicator on epoch 2's store prefix when both joins are read in one call.
+    from stablebuf import _nccl_sync
+
+    built = []
+
+    class LateJoining:  # the helper thread, run only after _look returns
+        def __init__(self, epoch, factory, deadline):
+            self.epoch, self.factory = epoch, factory
+            built.append(self)
+
+    monkeypatch.setattr(_nccl_sync, "_Joining", LateJoining)
+    monkeypatch.setattr(_nccl_sync, "PairGroup", lambda store, prefix, rank, device, timeout:
+                        (prefix, rank, device, timeout))
+
+    class JoinDuringLook(DictStore):
+        def check(self, keys):
+            found = super().check(keys)
+            if found and keys == ["p/join/1"] and "p/join/2" not in self.data:
+                TrainerControl(self, "p").join()  # a second trainer, while the engine reads
+            return found
+
+    store = JoinDuringLook()
+    engine = object.__new__(stablebuf.publish.RemoteEngine)
+    engine.__dict__.update(
+        _pending=None, _control=EngineControl(store, "p", "{}"), _transfer=None, _free=[],
+        _channel=None, _joining=None, _orphans=[], _store=store, _prefix="p", _device=3,
+        nccl_timeout=5.0, join_timeout=5.0, timeline=[])
+    TrainerControl(store, "p").join()
+    problems = []
+    engine._look(problems)
+    assert [j.epoch for j in built] == [1, 2] and problems == []
+    assert [j.factory() for j in built] == [("p/pg/1/", 1, 3, 5.0), ("p/pg/2/", 1, 3, 5.0)]
+    assert engine._orphans == [built[0]] and engine._joining is built[1]
