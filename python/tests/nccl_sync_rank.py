@@ -16,11 +16,27 @@ meanwhile (outputs checked, an NCCL all-reduce on the engines' own TP group ever
 three new trainers in turn join rank 0 and publish versions 2..4 (the others' trainers
 too), each bound on every rank at once. Descriptors and device memory of the engine process
 are counted after the drop and after each cycle. Prints ``KILL rank R: PASS|FAIL ...``.
+
+A passing kill run takes about 40-75 s: torchrun and the ranks' start (~10 s), then mostly
+the start of four trainer processes one after the other on rank 0 (python, torch, CUDA, the
+NCCL pair over sockets: ~5-10 s each), at most STALL_S for the stall (less where NCCL reports
+the dead peer at once), the rest well under a second per phase (deadlines: ``PHASES``).
+
+Diagnosis: every line any process prints is stamped (wall clock, seconds since start, who)
+and flushed; each engine rank also writes its lines to ``FOLDER/rank-R.log``, each trainer to
+its own log there, and every process appends ``PID ROLE`` to ``FOLDER/pids``. Each kill phase
+has a deadline (``PHASES``); a rank past it raises, in lockstep on every rank,
+``PhaseTimeout`` naming what was awaited, and the run ends with ``KILL rank R: FAIL``. A step
+that blocks past its phase's deadline + ``STUCK_GRACE_S`` gets every thread's Python stack
+dumped (faulthandler) into the rank's log, again after each such interval; ``SIGUSR1`` dumps
+any of these processes' stacks at once (test_nccl_sync.py sends it on its own timeout).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import faulthandler
 import os
 import signal
 import subprocess
@@ -42,37 +58,101 @@ CHUNK = 64 << 10  # several receive operations per version (the model is ~0.7 MB
 STALL_S = 3.0
 LEAK_FDS = 0
 LEAK_MIB = 8.0
+#: Deadlines (s) of the kill run's phases; a passing run needs a small part of each (a
+#: trainer's start ~5-10 s, the stall STALL_S, the others under a second).
+PHASES = {
+    "join": 90.0,  # a new trainer process connected (python + torch + CUDA + NCCL pair)
+    "bind": 30.0,  # a published version bound on every rank
+    "mid": 30.0,  # the dying trainer sent its first range
+    "stall": STALL_S + 10.0,  # rank 0 reported the dead trainer (the test's bound: +2 s)
+    "leave": 30.0,  # the trainers closed and the engines saw them leave
+    "exit": 60.0,  # a trainer process ended after its stdin closed
+    "teardown": 120.0,  # engine.close, barrier, destroy_process_group
+}
+#: Past a phase's deadline + this, a blocked step gets every thread's stack dumped.
+STUCK_GRACE_S = 15.0
+#: The gloo/NCCL groups' own timeout (a rank that never comes to a collective).
+GROUP_TIMEOUT_S = float(os.environ.get("NCCL_SYNC_GROUP_TIMEOUT", "120"))
+#: A trainer process ends on its own after this long (an orphan never lingers).
+TRAINER_MAX_S = 1800.0
+
+T0 = time.monotonic()
+_who = f"pid {os.getpid()}"
+_log = None  # this engine rank's log file in the run folder
 
 
 def say(line: str) -> None:
-    print(line, flush=True)
+    """Prints ``line`` stamped (wall clock, seconds since this process started, who), flushed,
+    and writes it to this rank's log too."""
+    text = f"[{time.strftime('%H:%M:%S')} +{time.monotonic() - T0:7.2f}s {_who}] {line}"
+    print(text, flush=True)
+    if _log is not None:
+        _log.write(text + "\n")
+        _log.flush()
+
+
+def start_diagnosis(folder: str, who: str, log=None) -> None:
+    """Stamps this process's lines with ``who``, writes them to ``log`` as well, dumps every
+    thread's stack on SIGUSR1 and on a crash (to ``log``, else stderr), and lists the process
+    in ``FOLDER/pids`` (for test_nccl_sync.py's SIGUSR1 on its timeout)."""
+    global _who, _log
+    _who, _log = who, log
+    out = log if log is not None else sys.stderr
+    faulthandler.enable(file=out, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=out, all_threads=True)
+    try:
+        with open(os.path.join(folder, "pids"), "a") as f:
+            f.write(f"{os.getpid()} {who}\n")
+    except OSError:  # not in a run folder (a trainer started by hand)
+        pass
+
+
+class PhaseTimeout(RuntimeError):
+    """A kill phase's deadline passed on some rank (raised on every rank at the same step)."""
 
 
 def shard_seed(seed: int, rank: int) -> int:
     return seed * 7 + rank  # every rank's shard differs
 
 
+MID = "MID-TRANSFER"  # the dying trainer's line once its first range is enqueued
+
+
 def trainer_main(host, port, prefix, device, seeds, die=False) -> int:
+    # Stdout is this trainer's log in the run folder (spawn); the folder is its directory.
+    folder = os.path.dirname(os.path.realpath(f"/proc/self/fd/{sys.stdout.fileno()}"))
+    start_diagnosis(folder, f"trainer {prefix} gpu{device}")
+    # An orphan (its engine rank gone without closing stdin) never lingers.
+    faulthandler.dump_traceback_later(TRAINER_MAX_S, exit=True, file=sys.stdout)
+    say(f"start: store 127.0.0.1:{port}, versions {[v for v, _ in seeds]}, die={die}")
     torch.cuda.set_device(device)
     store = control_store(host, port, server=False, timeout=120)
+    say("store connected; joining (manifest, epoch, NCCL pair warm-up; deadline 120 s)")
     trainer = RemoteTrainer.connect(store, prefix, device=device, expect=peer.expected(),
                                     check_dtypes=True, timeout=120)
     say(f"connected epoch {trainer.epoch} on GPU {device}")
     for version, seed in seeds:
-        if not sys.stdin.readline():
+        line = sys.stdin.readline()
+        if not line:
+            say("stdin closed before being told to publish: exit 2")
             return 2
         if die and version == seeds[-1][0]:
             for name, v in peer.weights(seed).items():
                 trainer.tensors()[name].copy_(v)
             torch.cuda.synchronize()
+            say(f"sending version {version}, first range only")
             trainer.send(version, stop_after=1)
-            say("mid")
-            time.sleep(3600)
+            say(MID)
+            sys.stdin.read()  # SIGKILLed here; or its engine rank is gone: stdin closes
+            os._exit(3)
+        say(f"publishing version {version} (deadline 120 s)")
         trainer.publish(peer.weights(seed), version=version, timeout=120)
         say(f"published {version} {trainer.stats[version]['gb_per_s']:.2f} GB/s")
-    say("done")
+    say("done; waiting for stdin to close")
     sys.stdin.read()
+    start = time.monotonic()
     trainer.close()
+    say(f"closed in {time.monotonic() - start:.2f} s")
     return 0
 
 
@@ -91,8 +171,9 @@ def spawn(folder, name, store, prefix, device, seeds, die=False):
     log = open(log_path, "w")
     args = [sys.executable, os.path.abspath(__file__), "trainer", "127.0.0.1", str(store.port),
             prefix, str(device), ",".join(f"{v}:{s}" for v, s in seeds)] + (["die"] if die else [])
-    proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
-                            text=True)
+    with log:  # the child has its own descriptor
+        proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=log,
+                                stderr=subprocess.STDOUT, text=True)
     proc.log_path = log_path
     return proc
 
@@ -156,10 +237,29 @@ def counts(device):
     return fds, mib
 
 
+def wait_exit(proc, seconds, what, failures) -> None:
+    """Waits up to ``seconds`` for a trainer process to end; past that, dumps its stacks
+    (SIGUSR1 into its log), kills it and records a failure naming ``what``."""
+    start = time.monotonic()
+    try:
+        code = proc.wait(timeout=seconds)
+        say(f"{what}: exited {code} after {time.monotonic() - start:.2f} s")
+    except subprocess.TimeoutExpired:
+        failures.append(f"{what}: still running after {seconds:.0f} s (killed; stacks in "
+                        f"{os.path.basename(proc.log_path)})")
+        say(failures[-1])
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGUSR1)
+        time.sleep(1.0)
+        proc.kill()
+        proc.wait()
+
+
 def kill_main(folder, device, agree_every, store) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
-    control = dist.new_group(backend="gloo")
-    tp_nccl = dist.new_group(backend="nccl")
+    timeout = datetime.timedelta(seconds=GROUP_TIMEOUT_S)
+    control = dist.new_group(backend="gloo", timeout=timeout)
+    tp_nccl = dist.new_group(backend="nccl", timeout=timeout)
     tag = f"nccl-kill-{rank}"
     tensors = build(tag, device)
     engine = RemoteEngine(tag, tensors, store=store, prefix=f"kill/tp{rank}", sets=2,
@@ -169,14 +269,27 @@ def kill_main(folder, device, agree_every, store) -> int:
     gpu = (device + 1) % torch.cuda.device_count()
     seeds = {v: shard_seed(1000 + v, rank) for v in range(1, 5)}
     refs = {0: peer.reference(0), **{v: peer.reference(s) for v, s in seeds.items()}}
-    trainer = spawn(folder, f"kill-{rank}.log", store, f"kill/tp{rank}", gpu,
-                    [(1, seeds[1]), (2, seeds[2])], die=(rank == 0))
+    say(f"engine up on GPU {device} (stall_timeout {STALL_S:g} s, agree_every {agree_every}); "
+        f"trainers on GPU {gpu}")
     failures = []
     state = {"steps": 0, "killed_at": None, "dropped_at": None}
+    spawned = []
+    detect = None
+    base_counts = None
+    after = []
 
-    def step(done_here=True):
+    def start_trainer(name, versions, die=False):
+        proc = spawn(folder, name, store, f"kill/tp{rank}", gpu,
+                     [(v, seeds[v]) for v in versions], die=die)
+        spawned.append(proc)
+        say(f"spawned trainer {name} pid {proc.pid} for versions {versions}"
+            + (" (dies mid-transfer)" if die else ""))
+        return proc
+
+    def step(done_here=True, broken=None):
         """One boundary on every rank (lockstep: the ranks gather after it); returns whether
-        ``done_here`` holds on every rank."""
+        ``done_here`` holds on every rank. Raises PhaseTimeout on every rank if ``broken``
+        (a rank's deadline passed) is set on any."""
         status = engine.poll()
         got = served.replay()
         if not torch.allclose(got.double(), refs[status.version], rtol=2e-3, atol=2e-3):
@@ -186,87 +299,144 @@ def kill_main(folder, device, agree_every, store) -> int:
         if int(one.item()) != world:
             failures.append("the TP all-reduce went wrong")
         views = [None] * world
-        dist.all_gather_object(views, (status.version, bool(done_here)), group=control)
-        if len({v for v, _ in views}) != 1:
+        dist.all_gather_object(views, (status.version, bool(done_here), broken), group=control)
+        if len({v for v, _, _ in views}) != 1:
             failures.append(f"step {state['steps']}: ranks serve versions {views}")
         for p in status.problems:
+            say(f"step {state['steps']}: problem: {p}")
             if "PeerClosed" in p and state["dropped_at"] is None:
                 state["dropped_at"] = time.monotonic()
+        if status.bound is not None:
+            say(f"step {state['steps']}: bound version {status.bound}")
         state["steps"] += 1
-        return all(d for _, d in views)
+        reasons = [b for _, _, b in views if b]
+        if reasons:
+            raise PhaseTimeout("; ".join(reasons))
+        return all(d for _, d, _ in views)
 
-    def serve_until(cond, seconds, what):
-        """Steps in lockstep on every rank until ``cond`` holds on every rank (a rank's
-        time-out counts as its ``cond`` holding, and is a failure)."""
-        deadline = time.monotonic() + seconds
-        while True:
-            here = cond()
-            if not here and time.monotonic() > deadline:
-                failures.append(f"timed out: {what}")
-                here = True
-            if step(here):
-                return
+    def serve_until(cond, phase, what):
+        """Steps in lockstep on every rank until ``cond`` holds on every rank; a rank past the
+        phase's deadline makes every rank raise PhaseTimeout naming ``what``."""
+        seconds = PHASES[phase]
+        start, first = time.monotonic(), state["steps"]
+        say(f"phase '{what}': begin (deadline {seconds:g} s)")
+        faulthandler.dump_traceback_later(seconds + STUCK_GRACE_S, repeat=True, file=_log)
+        try:
+            while True:
+                here = bool(cond())
+                broken = None
+                if not here and time.monotonic() - start > seconds:
+                    broken = f"rank {rank}: no '{what}' within {seconds:g} s"
+                if step(here, broken):
+                    break
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+        say(f"phase '{what}': done in {time.monotonic() - start:.2f} s, "
+            f"{state['steps'] - first} steps")
 
-    def tell(proc):
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
+    def tell(proc, what):
+        try:
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            say(f"told {os.path.basename(proc.log_path)}: {what}")
+        except (BrokenPipeError, OSError, ValueError) as gone:
+            failures.append(f"telling {os.path.basename(proc.log_path)} ({what}) failed: "
+                            f"{gone!r}; it exited {proc.poll()}")
+            say(failures[-1])
 
-    serve_until(lambda: engine.connected, 120, "first trainer joined")
-    tell(trainer)
-    serve_until(lambda: engine.version == 1, 120, "version 1 bound")
-    tell(trainer)  # version 2: rank 0's trainer dies mid-transfer
-    serve_until(lambda: rank != 0 or "mid" in open(trainer.log_path).read(), 60,
-                "trainer mid-transfer")
-    if rank == 0:
-        os.kill(trainer.pid, signal.SIGKILL)
-        trainer.wait()
-        state["killed_at"] = time.monotonic()
-    serve_until(lambda: rank != 0 or state["dropped_at"] is not None, STALL_S + 30,
-                "stall reported")
-    dist.barrier(group=control)
-    detect = None
-    if rank == 0 and state["dropped_at"] and state["killed_at"]:
-        detect = state["dropped_at"] - state["killed_at"]
-    base_counts = counts(device)
-    after = []
-    # Rank 0: a new trainer joins and publishes version 2 (the others have it): bound everywhere.
-    if rank == 0:
-        fresh = spawn(folder, "kill-0-new.log", store, "kill/tp0", gpu, [(2, seeds[2])])
-    serve_until(lambda: rank != 0 or engine.connected, 120, "the new trainer joined")
-    if rank == 0:
-        tell(fresh)
-    serve_until(lambda: engine.version == 2, 120, "version 2 bound after the rejoin")
-    if rank == 0:
-        fresh.stdin.close()
-        fresh.wait(timeout=60)
-    elif trainer.poll() is None:
-        trainer.stdin.close()
-        trainer.wait(timeout=60)
-    serve_until(lambda: not engine.connected, 60, "the trainers left")
-    dist.barrier(group=control)
-    after.append(counts(device))
-    # Two more rejoin cycles on every rank (fresh trainers everywhere): the leak's slope.
-    for cycle, version in ((2, 3), (3, 4)):
-        fresh = spawn(folder, f"kill-{rank}-cycle{cycle}.log", store, f"kill/tp{rank}", gpu,
-                      [(version, seeds[version])])
-        serve_until(lambda: engine.connected, 120, f"cycle {cycle} joined")
-        tell(fresh)
-        serve_until(lambda: engine.version == version, 120, f"cycle {cycle}: version bound")
-        fresh.stdin.close()
-        fresh.wait(timeout=60)
-        serve_until(lambda: not engine.connected, 30, f"cycle {cycle} left")
+    def barrier(what):
+        start = time.monotonic()
         dist.barrier(group=control)
+        say(f"barrier '{what}' passed in {time.monotonic() - start:.2f} s")
+
+    def log_says(proc, line):
+        with open(proc.log_path, errors="replace") as f:
+            return line in f.read()
+
+    try:
+        trainer = start_trainer(f"kill-{rank}.log", [1, 2], die=(rank == 0))
+        serve_until(lambda: engine.connected, "join", "first trainer joined")
+        tell(trainer, "publish version 1")
+        serve_until(lambda: engine.version == 1, "bind", "version 1 bound")
+        tell(trainer, "version 2 (rank 0's trainer dies mid-transfer)")
+        serve_until(lambda: rank != 0 or log_says(trainer, MID), "mid", "trainer mid-transfer")
+        if rank == 0:
+            os.kill(trainer.pid, signal.SIGKILL)
+            trainer.wait()
+            state["killed_at"] = time.monotonic()
+            say(f"SIGKILLed trainer pid {trainer.pid} mid-transfer")
+        serve_until(lambda: rank != 0 or state["dropped_at"] is not None, "stall",
+                    "stall reported")
+        if rank == 0 and state["dropped_at"] and state["killed_at"]:
+            detect = state["dropped_at"] - state["killed_at"]
+            say(f"stall reported {detect:.2f} s after the SIGKILL (bound {STALL_S + 2.0:g} s)")
+        barrier("after the drop")
+        base_counts = counts(device)
+        say(f"counts after the drop: {base_counts}")
+        # Rank 0: a new trainer joins and publishes version 2 (the others have it): bound
+        # everywhere.
+        if rank == 0:
+            fresh = start_trainer("kill-0-new.log", [2])
+        serve_until(lambda: rank != 0 or engine.connected, "join", "the new trainer joined")
+        if rank == 0:
+            tell(fresh, "publish version 2")
+        serve_until(lambda: engine.version == 2, "bind", "version 2 bound after the rejoin")
+        if rank == 0:
+            fresh.stdin.close()
+            wait_exit(fresh, PHASES["exit"], "rank 0's new trainer", failures)
+        elif trainer.poll() is None:
+            trainer.stdin.close()
+            wait_exit(trainer, PHASES["exit"], f"rank {rank}'s first trainer", failures)
+        serve_until(lambda: not engine.connected, "leave", "the trainers left")
+        barrier("after the rejoin")
         after.append(counts(device))
-    fd_growth = after[-1][0] - after[0][0]
-    mib_growth = after[-1][1] - after[0][1]
-    ok = not failures and fd_growth <= LEAK_FDS and mib_growth <= LEAK_MIB
-    if rank == 0:
-        ok = ok and detect is not None and detect <= STALL_S + 2.0
-    say(f"KILL rank {rank}: {'PASS' if ok else 'FAIL'} detect_s={detect} (bound "
-        f"{STALL_S + 2.0:.1f} s, rank 0 only) steps={state['steps']} counts base={base_counts} "
-        f"after_cycles={after} fd_growth={fd_growth} mib_growth={mib_growth:.1f} "
-        f"failures={failures[:5]}")
-    engine.close()
+        say(f"counts after the rejoin: {after[-1]}")
+        # Two more rejoin cycles on every rank (fresh trainers everywhere): the leak's slope.
+        for cycle, version in ((2, 3), (3, 4)):
+            fresh = start_trainer(f"kill-{rank}-cycle{cycle}.log", [version])
+            serve_until(lambda: engine.connected, "join", f"cycle {cycle} joined")
+            tell(fresh, f"publish version {version}")
+            serve_until(lambda: engine.version == version, "bind",
+                        f"cycle {cycle}: version {version} bound")
+            fresh.stdin.close()
+            wait_exit(fresh, PHASES["exit"], f"cycle {cycle}'s trainer", failures)
+            serve_until(lambda: not engine.connected, "leave", f"cycle {cycle} left")
+            barrier(f"after cycle {cycle}")
+            after.append(counts(device))
+            say(f"counts after cycle {cycle}: {after[-1]}")
+    except PhaseTimeout as late:
+        failures.insert(0, f"PhaseTimeout: {late}")
+        say(f"phase deadline passed: {late}")
+    except Exception as error:  # noqa: BLE001 - reported in the verdict, then re-raised
+        failures.insert(0, f"{type(error).__name__}: {error}")
+        say(f"kill run raised {type(error).__name__}: {error}")
+        raise
+    finally:
+        for proc in spawned:
+            if proc.poll() is None:
+                say(f"killing trainer {os.path.basename(proc.log_path)} pid {proc.pid}, "
+                    "still running at the end")
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGUSR1)  # its stacks into its log
+                time.sleep(0.5)
+                proc.kill()
+                proc.wait()
+        ok, fd_growth, mib_growth = False, None, None
+        if len(after) >= 2:
+            fd_growth = after[-1][0] - after[0][0]
+            mib_growth = round(after[-1][1] - after[0][1], 1)
+            ok = not failures and fd_growth <= LEAK_FDS and mib_growth <= LEAK_MIB
+            if rank == 0:
+                ok = ok and detect is not None and detect <= STALL_S + 2.0
+        say(f"KILL rank {rank}: {'PASS' if ok else 'FAIL'} detect_s={detect} (bound "
+            f"{STALL_S + 2.0:.1f} s, rank 0 only) steps={state['steps']} counts "
+            f"base={base_counts} after_cycles={after} fd_growth={fd_growth} "
+            f"mib_growth={mib_growth} failures={failures[:5]}")
+        marks = [(k, v, round(t - T0, 2)) for k, v, t in engine.timeline]
+        say(f"engine timeline (event, version or epoch, s since start): {marks}")
+        start = time.monotonic()
+        engine.close()
+        say(f"engine closed in {time.monotonic() - start:.2f} s")
     return 0 if ok else 1
 
 
@@ -278,6 +448,13 @@ def main(argv) -> int:
     mode, folder = argv[1], argv[2]
     race_seeds = [int(s) for s in argv[3].split(",")]
     agree_every = int(argv[4]) if len(argv) > 4 else 8
+    env_rank = os.environ.get("RANK", "?")  # torchrun's, before the group exists
+    log = open(os.path.join(folder, f"rank-{env_rank}.log"), "a")
+    start_diagnosis(folder, f"rank {env_rank}", log)
+    nccl = torch.cuda.nccl.version()
+    nccl = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl
+    say(f"{mode}: start (pid {os.getpid()}, torch {torch.__version__}, NCCL {nccl}); "
+        "init_process_group (gloo)")
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     rank, world = dist.get_rank(), dist.get_world_size()
     if torch.cuda.device_count() < max(world, 2):
@@ -285,10 +462,18 @@ def main(argv) -> int:
     device = rank
     torch.cuda.set_device(device)
     store = control_store("127.0.0.1", 0, server=True, timeout=120)
+    say(f"rank {rank} of {world} on GPU {device}; control store on port {store.port}")
     if mode == "kill":
         code = kill_main(folder, device, agree_every, store)
+        faulthandler.dump_traceback_later(PHASES["teardown"] + STUCK_GRACE_S, repeat=True,
+                                          file=log)
+        start = time.monotonic()
         dist.barrier()
+        say(f"teardown: final barrier passed in {time.monotonic() - start:.2f} s")
+        start = time.monotonic()
         dist.destroy_process_group()
+        say(f"teardown: destroy_process_group in {time.monotonic() - start:.2f} s; exit {code}")
+        faulthandler.cancel_dump_traceback_later()
         return code
     control = dist.new_group(backend="gloo")
     for index, race_seed in enumerate(race_seeds):
