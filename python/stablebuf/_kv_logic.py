@@ -8,9 +8,10 @@ budget, the continuous-batching schedule `examples/kv_serve.py` drives, and its 
 from __future__ import annotations
 
 import random
+from collections import deque
 from dataclasses import dataclass, field
 from statistics import median
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Deque, Dict, Iterable, List, Optional, Sequence, Tuple
 
 GRANULE = 2 << 20
 
@@ -117,14 +118,15 @@ class Scheduler:
 
     max_batch: int
     requests: List[Request]
-    pending: List[Request] = field(default_factory=list)
+    pending: Deque[Request] = field(default_factory=deque)
     slots: Dict[int, Slot] = field(default_factory=dict)
     done: List[int] = field(default_factory=list)
     step: int = 0
     peak_running: int = 0
 
     def __post_init__(self) -> None:
-        self.pending = sorted(self.requests, key=lambda r: (r.arrival, r.rid))
+        # A deque: admission pops from the front (a list's pop(0) is linear per request).
+        self.pending = deque(sorted(self.requests, key=lambda r: (r.arrival, r.rid)))
 
     def free_slots(self) -> List[int]:
         return [s for s in range(self.max_batch) if s not in self.slots]
@@ -140,7 +142,7 @@ class Scheduler:
             slot = free[0]
             if not accept(request, slot):
                 break
-            self.pending.pop(0)
+            self.pending.popleft()
             free.pop(0)
             self.slots[slot] = Slot(request, request.prompt)
             admitted.append((slot, request))
@@ -173,6 +175,120 @@ class Scheduler:
     def lengths(self) -> List[int]:
         """Every slot's length (0 when free)."""
         return [self.slots[s].length if s in self.slots else 0 for s in range(self.max_batch)]
+
+
+class Admission:
+    """Admission under a memory budget, as `examples/kv_serve.py` runs it: a request is admitted
+    when the granules its rows will map at its full length (`request.total`) fit `budget`
+    beside those projected for the sequences admitted before it; `budget=None` admits all.
+
+    The projection is recorded when a request is accepted: `Scheduler.admit` asks about every
+    request that arrived in one step before the caller sees any of them, so a projection made
+    by the caller after `admit` returns would let each of them see the same, stale total."""
+
+    def __init__(self, budget: Optional[int], layers: int, token_bytes: int, granule: int = GRANULE):
+        self.budget = budget
+        self.layers = layers
+        self.token_bytes = token_bytes
+        self.granule = granule
+        self.projected: Dict[int, int] = {}
+
+    def need(self, tokens: int) -> int:
+        """Bytes a sequence of `tokens` tokens maps in every layer's K and V."""
+        return 2 * self.layers * granules_for(tokens, self.token_bytes, self.granule) * self.granule
+
+    @property
+    def held(self) -> int:
+        return sum(self.projected.values())
+
+    def __call__(self, request: Request, slot: int) -> bool:
+        if self.budget is not None and not fits(
+            self.held, request.total, self.budget, self.layers, self.token_bytes, self.granule
+        ):
+            return False
+        self.projected[slot] = self.need(request.total)
+        return True
+
+    def release(self, slot: int) -> None:
+        self.projected.pop(slot, None)
+
+
+# Sizes of examples/kv_serve.py. "quick" is its default: about a minute on one H100, and it
+# still measures every target (rows cross granules while decoding, and the budget run can
+# exceed 2 x max_batch sequences); "issue" is the issue's table (batch 16, 8 layers, 256
+# requests: several minutes). `tests/test_kv_cpu.py` checks both with `simulate`.
+SIZES: Dict[str, Dict[str, int]] = {
+    "quick": {"max_batch": 8, "max_len": 4096, "requests": 48, "layers": 4},
+    "issue": {"max_batch": 16, "max_len": 4096, "requests": 256, "layers": 8},
+}
+
+
+def workload(
+    count: int, max_batch: int, max_len: int, mean_total: int, budget_slots: int, seed: int = 0
+) -> Tuple[List[Request], List[Request]]:
+    """kv_serve's two request streams: one arriving fast enough to keep `max_batch` slots busy
+    (static and stable at the same batch), one for the `budget_slots * max_batch` slots of the
+    run at the budget."""
+    mean_out = max(1, mean_total // 2)
+    same = make_requests(count, max_len, mean_total, arrivals_per_step=max_batch / mean_out, seed=seed)
+    budget = make_requests(
+        count, max_len, mean_total, arrivals_per_step=budget_slots * max_batch / mean_out, seed=seed + 1
+    )
+    return same, budget
+
+
+@dataclass
+class Plan:
+    """What a schedule does, without a GPU (see `simulate`)."""
+
+    steps: int  # decode steps (each running sequence gains a token)
+    idle_steps: int  # steps with nothing running (no decode)
+    peak_running: int
+    map_steps: int  # decode steps where some row's new token opens a granule (they map)
+    crossings: int  # (sequence, step) pairs that open a granule
+    tokens: int  # tokens decoded
+    peak_held: int  # most bytes the admission had projected at once
+
+
+def simulate(
+    max_batch: int,
+    requests: Sequence[Request],
+    layers: int,
+    token_bytes: int,
+    budget: Optional[int] = None,
+    granule: int = GRANULE,
+    max_steps: Optional[int] = None,
+) -> Plan:
+    """Runs kv_serve's schedule on the host only: how many decode steps a backend of
+    `max_batch` slots takes, how many of them map (rows mapped for the prompt at admission,
+    then a granule whenever a new token opens one), and how many sequences run at once."""
+    sched = Scheduler(max_batch, list(requests))
+    admission = Admission(budget, layers, token_bytes, granule)
+    backed: Dict[int, int] = {}
+    steps = idle = map_steps = crossings = tokens = peak_held = 0
+    while not sched.idle and (max_steps is None or sched.step < max_steps):
+        for slot, request in sched.admit(admission):
+            backed[slot] = granules_for(request.prompt, token_bytes, granule)
+        peak_held = max(peak_held, admission.held)
+        if not sched.slots:
+            sched.finish([])
+            idle += 1
+            continue
+        grown, finished = sched.advance()
+        steps += 1
+        tokens += len(grown)
+        crossed = 0
+        for slot, length in grown:
+            need = granules_for(length, token_bytes, granule)
+            if need > backed[slot]:
+                backed[slot] = need
+                crossed += 1
+        crossings += crossed
+        map_steps += crossed > 0
+        for slot in finished:
+            admission.release(slot)
+        sched.finish(finished)
+    return Plan(steps, idle, sched.peak_running, map_steps, crossings, tokens, peak_held)
 
 
 def map_spike(step_seconds: Sequence[float], mapped: Sequence[bool]) -> Tuple[float, Optional[float]]:

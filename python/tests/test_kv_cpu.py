@@ -117,6 +117,56 @@ def test_scheduler_admission_respects_a_budget():
     assert scheduler.peak_running >= 2 * 4
 
 
+def test_admission_counts_requests_accepted_in_the_same_step():
+    # A budget for exactly two 1-granule sequences; three arrive at step 0. Each acceptance
+    # must see the ones accepted before it in the same admit call (kv_serve recorded them
+    # only after admit returned, and admitted all three).
+    layers, token = 2, LLAMA_TOKEN
+    admission = logic.Admission(2 * 2 * layers * 2 * MiB, layers, token)
+    requests = [logic.Request(rid, 0, 10, 10) for rid in range(3)]
+    scheduler = logic.Scheduler(8, requests)
+    admitted = scheduler.admit(admission)
+    assert [slot for slot, _ in admitted] == [0, 1]
+    assert admission.held == admission.budget
+    admission.release(0)
+    assert admission.held == admission.budget // 2
+    assert logic.Admission(None, layers, token)(requests[0], 0)
+
+
+def test_simulate_agrees_with_a_manual_drive():
+    requests = logic.make_requests(40, 2048, 512, 1.5, seed=11)
+    plan = logic.simulate(8, requests, 4, LLAMA_TOKEN)
+    seen = _run(logic.Scheduler(8, requests))
+    assert plan.steps == len(seen)
+    assert plan.tokens == sum(r.output for r in requests)
+    assert plan.peak_running == 8
+    # Lengths 256..768 with 1,024 tokens per granule: no row ever opens a second granule.
+    assert plan.crossings == 0 and plan.map_steps == 0
+    long = [logic.Request(0, 0, 1000, 100)]
+    assert logic.simulate(1, long, 4, LLAMA_TOKEN).crossings == 1
+
+
+@pytest.mark.parametrize("size", sorted(logic.SIZES))
+def test_kv_serve_sizes_measure_every_target(size):
+    """Each kv_serve size (defaults: mean length max_len / 4, 4 KvCache slots per StaticCache
+    slot at the budget) has decode steps that map, and its budget run can hold >= 2 B sequences
+    within the memory of StaticCache(B)."""
+    s = logic.SIZES[size]
+    b, max_len, layers = s["max_batch"], s["max_len"], s["layers"]
+    mean = max_len // 4
+    assert mean <= max_len // 3
+    same, at_budget = logic.workload(s["requests"], b, max_len, mean, 4, seed=0)
+    plan = logic.simulate(b, same, layers, LLAMA_TOKEN)
+    assert plan.map_steps > 0
+    budget = logic.static_bytes(layers, b, max_len, LLAMA_TOKEN)
+    wide = logic.simulate(4 * b, at_budget, layers, LLAMA_TOKEN, budget=budget)
+    assert wide.peak_held <= budget
+    assert wide.peak_running >= 2 * b
+    if size == "quick":
+        # About a minute on one H100: both same-batch runs plus the budget run.
+        assert 2 * plan.steps + wide.steps < 15000
+
+
 def test_map_spike_and_verdicts():
     mid, spike = logic.map_spike([1.0, 1.0, 2.0, 1.0], [False, False, True, False])
     assert (mid, spike) == (1.0, 2.0)
