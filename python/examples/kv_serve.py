@@ -3,35 +3,58 @@
 A Llama-shaped model from transformers with random weights serves requests of random prompt
 and output lengths that arrive and leave. Side by side, in one run:
 
-  stable   stablebuf.KvCache views, max_batch B: decode steps replay ONE CUDA graph; between
-           replays the host grows the rows that crossed into a new granule and releases the
-           rows of finished requests.
-  static   transformers StaticCache at the same B and max_len (its per-layer tensors, early
-           initialised), the same graph.
-  dynamic  eager, no graph: per layer K/V tensors that follow the longest running sequence by
-           torch.cat each step (what DynamicCache does; DynamicCache itself writes one column
-           for the whole batch, which continuous batching of rows at different positions cannot
-           use, so its growth policy is reproduced here on [B, T, kv_heads, head_dim] tensors).
-  budget   stablebuf.KvCache with 4 B slots, admitting requests while the cache's projected
-           memory stays within the memory of the StaticCache of B sequences.
+  static   transformers StaticCache at B slots and max_len (its per-layer tensors, early
+           initialised, [B, kv_heads, max_len, head_dim] contiguous), one CUDA graph per step.
+  stable   stablebuf.KvCache views at B slots ([B, max_len, kv_heads, head_dim] token-major
+           rows, seen by attention as a permuted [B, kv_heads, max_len, head_dim]), the same
+           graph; between replays the host grows only the rows whose new token opens a granule
+           and releases the rows of finished requests.
+  budget   stablebuf.KvCache with 4 B slots, admitting a request while the granules of every
+           admitted sequence at its full length fit the memory of StaticCache(B).
+  dynamic  (--dynamic) eager, no graph: per layer K/V tensors that follow the longest running
+           sequence by torch.cat each step (DynamicCache's growth policy; DynamicCache itself
+           writes one column for the whole batch, which rows at different positions cannot
+           use). Its per-step copy of the whole cache is that policy's cost: no verdict uses it.
 
-All share one decode step (own attention over the Llama modules' weights, SDPA with a
-length mask over max_len, GQA): the caches differ only in where K/V live. Prints tokens/s,
-step time, peak device memory, sequences served at the budget, and one verdict line per target:
+All share one decode step (own attention over the Llama modules' weights, SDPA with a length
+mask over max_len; GQA as a batch of kv_heads groups of heads/kv_heads queries by default, or
+`enable_gqa` with --attention gqa): the caches differ only in where K/V live. Before serving,
+an attention probe times SDPA alone on the two layouts (plain torch memory) for every kernel
+that accepts them and says which kernel torch picks for each.
 
-  step time <= 1.03 x StaticCache at the same batch (median decode step, stable vs static)
+What is timed (each decode step):
+  step ms  device time of the step's graph replay (CUDA events around replay; nothing else):
+           the verdict "step time <= 1.03 x StaticCache" compares these medians.
+  wall ms  host wall time of the whole step: scheduler, grow (maps memory when a row opens a
+           granule), publishing lengths and write rows, replay, synchronize. Reported, and
+           compared to StaticCache's too; the map-step verdict uses it (a map costs host time).
+  host us  the host part of it before the replay is launched.
+  tok/s    decoded tokens / the summed wall time of the decode steps (prefill excluded);
+  run s    the backend's whole run, eager prefills included.
+
+Verdicts (the issue's targets):
+  step time <= 1.03 x StaticCache at the same batch (median step ms; also median wall ms)
   cache memory <= the tokens' bytes + one granule per (sequence, layer, K/V) (every step)
-  no step slower than 1.1 x the median because of a map (steps that mapped a granule)
+  no step slower than 1.1 x the median because of a map (wall ms of steps that mapped)
   at the memory of a StaticCache of B sequences, >= 2 B sequences served at once when the
-  mean length <= max_len / 3
+  mean length <= max_len / 3 (and the data mapped stays within that memory)
 
-    python python/examples/kv_serve.py [--max-batch 16] [--max-len 4096] [--requests 256]
+Sizes: --size quick (default: B 8, max_len 4096, 4 layers, 48 requests; about a minute on one
+H100) or --size issue (the issue's table: B 16, max_len 4096, 8 layers, 256 requests; several
+minutes); any flag below overrides the size's value.
+
+    python -u python/examples/kv_serve.py                   # quick
+    python -u python/examples/kv_serve.py --size issue      # the issue's table
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
+
+if __name__ == "__main__":
+    print("kv_serve: importing torch and transformers", flush=True)
 from statistics import median
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -43,10 +66,121 @@ from stablebuf import _kv_logic as logic
 from stablebuf.hf import kv_tensors
 
 try:
+    import transformers
     from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 except ImportError as error:  # pragma: no cover
     raise SystemExit(f"kv_serve needs transformers: {error}")
+
+_START = time.perf_counter()
+
+
+def log(message: str) -> None:
+    """One line now (flushed), with the seconds since the start."""
+    print(f"[{time.perf_counter() - _START:6.1f} s] {message}", flush=True)
+
+
+# ---- attention ------------------------------------------------------------------------------
+
+_SDPA_NAMES = {-1: "error", 0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}
+
+
+def sdpa_context(name: str):
+    """`auto`: torch's choice; else only that SDPA backend (for the capture and the probe)."""
+    if name == "auto":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {
+        "math": SDPBackend.MATH,
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+    }[name]
+    return sdpa_kernel([backend])
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, grouped: bool) -> torch.Tensor:
+    """Decode attention of `q [B, heads, 1, D]` over `keys`/`values [B, kv_heads, L, D]` (any
+    strides) under `mask [B, 1, 1, L]`; returns `[B, 1, heads * D]`.
+
+    grouped: query head h reads KV head h // (heads / kv_heads) (transformers' repeat_kv), so
+    the heads sharing a KV head are that head's queries: `[B, kv_heads, heads / kv_heads, D]`,
+    no K/V copies and no `enable_gqa` (which some SDPA kernels refuse, falling back to math,
+    which copies K/V heads / kv_heads times). Else `enable_gqa=True`."""
+    b, nh, _, d = q.shape
+    nkv = keys.shape[1]
+    if grouped:
+        o = F.scaled_dot_product_attention(q.reshape(b, nkv, nh // nkv, d), keys, values, attn_mask=mask)
+        return o.reshape(b, 1, nh * d)
+    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+    return o.transpose(1, 2).reshape(b, 1, nh * d)
+
+
+def sdpa_pick(q, keys, values, mask, grouped: bool) -> str:
+    """The SDPA kernel torch picks for these inputs (`torch._fused_sdp_choice`), or `?`."""
+    b, nh, _, d = q.shape
+    if grouped:
+        q = q.reshape(b, keys.shape[1], nh // keys.shape[1], d)
+    try:
+        code = torch._fused_sdp_choice(q, keys, values, mask, 0.0, False, enable_gqa=not grouped)
+    except Exception:  # noqa: BLE001 - a private op: report, never fail
+        return "?"
+    return _SDPA_NAMES.get(int(code), str(int(code)))
+
+
+def gpu_ms(fn: Callable[[], object], reps: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def attention_probe(cfg, batch: int, max_len: int, grouped: bool) -> Dict[str, str]:
+    """SDPA alone over one layer's K/V in StaticCache's layout and in the KvCache's (plain
+    torch memory of the same shape and strides, all of it real: no zero granule), for every
+    kernel that accepts them. Returns torch's pick per layout."""
+    nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    dev, bf16 = "cuda", torch.bfloat16
+    gen = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(batch, nh, 1, d, device=dev, dtype=bf16, generator=gen)
+    lengths = torch.randint(1, max_len + 1, (batch,), device=dev, generator=gen)
+    ar = torch.arange(max_len, device=dev)
+    mask = ((ar[None, :] < lengths[:, None]) | (ar[None, :] == 0))[:, None, None, :]
+    static_k = torch.randn(batch, nkv, max_len, d, device=dev, dtype=bf16, generator=gen)
+    static_v = torch.randn(batch, nkv, max_len, d, device=dev, dtype=bf16, generator=gen)
+    row = logic.row_stride(max_len, nkv * d * 2) // 2  # the KvCache's row stride, in elements
+    layouts = {"static": (static_k, static_v)}
+    token_major = []
+    for src in (static_k, static_v):
+        t = torch.empty_strided((batch, max_len, nkv, d), (row, nkv * d, d, 1), device=dev, dtype=bf16)
+        t.copy_(src.permute(0, 2, 1, 3))
+        token_major.append(t.permute(0, 2, 1, 3))
+    layouts["stable"] = tuple(token_major)
+    reference = attend(q, static_k, static_v, mask, grouped=False).float()
+    picks = {}
+    for name, (k, v) in layouts.items():
+        picks[name] = sdpa_pick(q, k, v, mask, grouped)
+        cells = []
+        for kernel in ("auto", "flash", "efficient", "cudnn", "math"):
+            try:
+                with sdpa_context(kernel):
+                    err = (attend(q, k, v, mask, grouped).float() - reference).abs().max().item()
+                    ms = gpu_ms(lambda: attend(q, k, v, mask, grouped))
+                cells.append(f"{kernel} {ms:.3f} ms (err {err:.0e})")
+            except RuntimeError:
+                cells.append(f"{kernel} -")
+        strides = tuple(k.stride())
+        log(f"attention probe {name:6} K {list(k.shape)} strides {strides}: torch picks {picks[name]}; " + ", ".join(cells))
+    return picks
+
+
+# ---- the model and its decode step ------------------------------------------------------------
 
 
 def build_model(args) -> LlamaForCausalLM:
@@ -61,18 +195,21 @@ def build_model(args) -> LlamaForCausalLM:
         max_position_embeddings=args.max_len,
     )
     torch.manual_seed(args.seed)
-    model = LlamaForCausalLM(config).to(device="cuda", dtype=torch.bfloat16).eval()
-    return model
+    # Built on the GPU: random initialisation of ~0.5 G parameters on the host takes seconds.
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config)
+    return model.to(dtype=torch.bfloat16).eval()
 
 
 class Step:
     """The decode step over K/V buffers `kv[layer] = (K, V)` of `[rows, max_len, kv_heads, D]`
     (token-major; rows >= batch: row `batch` may be the scratch row free slots write to)."""
 
-    def __init__(self, model, kv: List[Tuple[torch.Tensor, torch.Tensor]], batch: int, max_len: int):
+    def __init__(self, model, kv: List[Tuple[torch.Tensor, torch.Tensor]], batch: int, max_len: int, grouped: bool):
         self.m = model
         self.kv = kv
         self.batch = batch
+        self.grouped = grouped
         cfg = model.config
         self.nh, self.nkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         dev = "cuda"
@@ -102,8 +239,7 @@ class Step:
             values.index_put_((self.widx, pos), v[:, :, 0, :])
             kk = keys[:b].permute(0, 2, 1, 3)
             vv = values[:b].permute(0, 2, 1, 3)
-            o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, enable_gqa=True)
-            x = x + a.o_proj(o.transpose(1, 2).reshape(b, 1, self.nh * self.d))
+            x = x + a.o_proj(attend(q, kk, vv, mask, self.grouped))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         logits = m.lm_head(m.model.norm(x))[:, 0]
         nxt = logits.argmax(-1)
@@ -153,6 +289,9 @@ def capture(step: Step) -> Callable[[], None]:
     return graph.replay
 
 
+# ---- where K/V live ---------------------------------------------------------------------------
+
+
 class Backend:
     """Where K/V live and what the host does around each step."""
 
@@ -166,6 +305,8 @@ class Backend:
         pass
 
     def grow(self, grown: List[Tuple[int, int]]) -> bool:
+        """Before the step that writes each `(slot, length)`'s token `length - 1`; True when
+        it mapped memory."""
         return False
 
     def release(self, slot: int) -> None:
@@ -177,9 +318,6 @@ class Backend:
     def cache_bytes(self) -> int:
         return 0
 
-    def before_step(self, step: Step, lengths: List[int]) -> None:
-        pass
-
 
 class Stable(Backend):
     def __init__(self, cfg, slots: int, max_len: int):
@@ -189,9 +327,13 @@ class Stable(Backend):
         # One more row than slots: free slots write their (masked, unused) token there.
         self.cache = native.KvCache(torch.cuda.current_device(), layers, slots + 1, max_len, nkv, d)
         self.cache.grow(slots, 1)
-        self.tpg = self.cache.tokens_per_granule
-        self.backed: Dict[int, int] = {}
+        self.token_bytes = self.cache.token_bytes
+        self.granule = self.cache.granule
+        self.backed: Dict[int, int] = {}  # granules mapped per row (ahead_tokens is 0)
         self.views = [kv_tensors(self.cache, i) for i in range(layers)]
+
+    def _granules(self, tokens: int) -> int:
+        return logic.granules_for(tokens, self.token_bytes, self.granule)
 
     def kv(self):
         return self.views
@@ -201,17 +343,18 @@ class Stable(Backend):
 
     def admit(self, slot, tokens):
         self.cache.grow(slot, tokens)
-        self.backed[slot] = -(-tokens // self.tpg)
+        self.backed[slot] = self._granules(tokens)
 
     def grow(self, grown):
-        mapped = False
-        for slot, length in grown:
-            need = -(-length // self.tpg)
-            if need > self.backed.get(slot, 0):
-                mapped = True
-                self.backed[slot] = need
-        self.cache.grow_many(grown)
-        return mapped
+        # Only the rows whose new token opens a granule: the others are mapped already, and a
+        # call per step for every row would be host work StaticCache does not do.
+        opening = [(slot, length) for slot, length in grown if self._granules(length) > self.backed.get(slot, 0)]
+        if not opening:
+            return False
+        self.cache.grow_many(opening)
+        for slot, length in opening:
+            self.backed[slot] = self._granules(length)
+        return True
 
     def release(self, slot):
         self.cache.release(slot)
@@ -240,7 +383,8 @@ class Static(Backend):
 
 
 class Dynamic(Backend):
-    """Eager; K/V follow the longest running sequence (torch.cat of new columns per step)."""
+    """Eager; K/V follow the longest running sequence (torch.cat of new columns per step, as
+    DynamicCache: a copy of the whole cache per step, its growth policy's cost)."""
 
     def __init__(self, cfg, slots: int):
         self.name = "dynamic"
@@ -259,11 +403,8 @@ class Dynamic(Backend):
     def _fit(self, need: int) -> None:
         have = self.views[0][0].shape[1]
         if need > have:
-            extra = need - have
-            self.views[:] = [
-                (torch.cat([k, self._empty(extra)[0]], 1), torch.cat([v, self._empty(extra)[1]], 1))
-                for k, v in self.views
-            ]
+            zk, zv = self._empty(need - have)
+            self.views[:] = [(torch.cat([k, zk], 1), torch.cat([v, zv], 1)) for k, v in self.views]
         elif need < have:
             self.views[:] = [(k[:, :need].clone(), v[:, :need].clone()) for k, v in self.views]
 
@@ -284,36 +425,51 @@ class Dynamic(Backend):
         return sum(k.numel() * k.element_size() * 2 for k, _ in self.views)
 
 
-def serve(model, backend: Backend, requests, args, budget: Optional[int] = None, graph: bool = True) -> dict:
+# ---- serving ----------------------------------------------------------------------------------
+
+
+def _p99(xs: List[float]) -> float:
+    return sorted(xs)[int(0.99 * (len(xs) - 1))] if xs else 0.0
+
+
+def serve(model, backend: Backend, requests, args, name: str, budget: Optional[int] = None, graph: bool = True) -> dict:
     cfg = model.config
     max_len = args.max_len
+    layers = cfg.num_hidden_layers
     token_bytes = cfg.num_key_value_heads * cfg.head_dim * 2
+    plan = logic.simulate(backend.slots, requests, layers, token_bytes, budget=budget, max_steps=args.max_steps)
+    log(f"{name}: start, {backend.slots} slots, {len(requests)} requests, {plan.steps} decode steps "
+        f"({plan.map_steps} of them map), up to {plan.peak_running} running")
+    began = time.perf_counter()
     rows = backend.kv()
-    step = Step(model, rows, backend.slots, max_len)
+    step = Step(model, rows, backend.slots, max_len, grouped=args.attention == "grouped")
     if backend.scratch_row() is not None:
         step.publish([0] * backend.slots, [backend.scratch_row()] * backend.slots)
-    replay = capture(step) if graph else step
+    if graph:
+        with sdpa_context(args.sdpa):
+            replay = capture(step)
+    else:
+        def replay():
+            with sdpa_context(args.sdpa):
+                step()
     sched = logic.Scheduler(backend.slots, list(requests))
+    admission = logic.Admission(budget, layers, token_bytes)
     gen = torch.Generator().manual_seed(args.seed)
-    projected: Dict[int, int] = {}
-    step_times: List[float] = []
+    device_s: List[float] = []
+    wall_s: List[float] = []
+    host_s: List[float] = []
     mapped_flags: List[bool] = []
     bound_ok = True
     peak_cache = 0
+    peak_data = 0
     generated = 0
+    before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-
-    def accept(request, slot):
-        if budget is None:
-            return True
-        held = sum(projected.values())
-        return logic.fits(held, request.total, budget, cfg.num_hidden_layers, token_bytes)
+    start = last_report = time.perf_counter()
 
     while not sched.idle and sched.step < args.max_steps:
-        for slot, request in sched.admit(accept):
-            projected[slot] = 2 * cfg.num_hidden_layers * logic.granules_for(request.total, token_bytes) * logic.GRANULE
+        for slot, request in sched.admit(admission):
             backend.admit(slot, request.prompt)
             prompt = torch.randint(0, cfg.vocab_size, (request.prompt,), generator=gen).cuda()
             if isinstance(backend, Dynamic):
@@ -333,51 +489,70 @@ def serve(model, backend: Backend, requests, args, budget: Optional[int] = None,
         if isinstance(backend, Dynamic):
             step.kv = backend.kv()
             step.arange = torch.arange(backend.kv()[0][0].shape[1], device="cuda")
+        t1 = time.perf_counter()
+        before.record()
         replay()
+        after.record()
         torch.cuda.synchronize()
-        step_times.append(time.perf_counter() - t0)
+        t2 = time.perf_counter()
+        device_s.append(before.elapsed_time(after) / 1e3)
+        host_s.append(t1 - t0)
+        wall_s.append(t2 - t0)
         mapped_flags.append(mapped)
         generated += len(grown)
-        cache = backend.cache_bytes()
-        peak_cache = max(peak_cache, cache)
+        peak_cache = max(peak_cache, backend.cache_bytes())
         if isinstance(backend, Stable):
             s = backend.cache.stats()
-            data = s["physical_granules"] * s["granule"]
-            bound = logic.memory_bound(lengths, cfg.num_hidden_layers, token_bytes)
             # The scratch row's granules are fixed overhead like the zero granule: not counted.
-            scratch_bytes = 2 * cfg.num_hidden_layers * s["granule"]
-            bound_ok &= data - scratch_bytes <= bound
+            data = s["physical_granules"] * s["granule"] - 2 * layers * s["granule"]
+            peak_data = max(peak_data, data)
+            bound_ok &= data <= logic.memory_bound(lengths, layers, token_bytes)
         for slot in finished:
             backend.release(slot)
-            projected.pop(slot, None)
+            admission.release(slot)
         sched.finish(finished)
+        if t2 - last_report > 10.0:
+            last_report = t2
+            log(f"{name}: step {len(wall_s)}/{plan.steps}, served {len(sched.done)}/{len(requests)}, "
+                f"running {len(sched.slots)}")
     torch.cuda.synchronize()
-    wall = time.perf_counter() - start
-    mid, spike = logic.map_spike(step_times, mapped_flags)
-    return {
-        "name": backend.name,
+    run = time.perf_counter() - start
+    mid_wall, spike = logic.map_spike(wall_s, mapped_flags)
+    result = {
+        "name": name,
         "slots": backend.slots,
-        "tokens_per_s": generated / wall if wall > 0 else 0.0,
-        "median_step_ms": mid * 1e3,
-        "p99_step_ms": (sorted(step_times)[int(0.99 * (len(step_times) - 1))] * 1e3) if step_times else 0.0,
+        "tokens_per_s": generated / sum(wall_s) if wall_s else 0.0,
+        "median_step_ms": median(device_s) * 1e3 if device_s else 0.0,
+        "p99_step_ms": _p99(device_s) * 1e3,
+        "median_wall_ms": mid_wall * 1e3,
+        "p99_wall_ms": _p99(wall_s) * 1e3,
+        "median_host_us": median(host_s) * 1e6 if host_s else 0.0,
         "map_spike_ms": None if spike is None else spike * 1e3,
         "map_steps": sum(mapped_flags),
-        "steps": len(step_times),
+        "steps": len(wall_s),
         "served": len(sched.done),
+        "requests": len(requests),
         "peak_running": sched.peak_running,
         "peak_torch_bytes": torch.cuda.max_memory_allocated(),
         "peak_cache_bytes": peak_cache,
+        "peak_data_bytes": peak_data,
         "bound_ok": bound_ok,
+        "run_s": run,
     }
+    log(f"{name}: done in {time.perf_counter() - began:.1f} s ({len(wall_s)} steps, served {len(sched.done)}, "
+        f"step {result['median_step_ms']:.3f} ms device, {result['median_wall_ms']:.3f} ms wall)")
+    return result
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--max-batch", type=int, default=16)
-    p.add_argument("--max-len", type=int, default=4096)
-    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--size", choices=sorted(logic.SIZES), default="quick",
+                   help="max_batch/max_len/requests/layers preset (flags below override it)")
+    p.add_argument("--max-batch", type=int)
+    p.add_argument("--max-len", type=int)
+    p.add_argument("--requests", type=int)
+    p.add_argument("--layers", type=int)
     p.add_argument("--mean-len", type=int, default=0, help="mean prompt+output tokens (default max_len/4)")
-    p.add_argument("--layers", type=int, default=8)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
@@ -385,59 +560,90 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--budget-slots", type=int, default=4, help="KvCache slots per StaticCache slot at the budget")
     p.add_argument("--max-steps", type=int, default=100000)
-    p.add_argument("--skip-dynamic", action="store_true")
+    p.add_argument("--attention", choices=("grouped", "gqa"), default="grouped",
+                   help="decode attention: GQA as kv_heads groups of queries (default) or SDPA's enable_gqa")
+    p.add_argument("--sdpa", choices=("auto", "flash", "efficient", "cudnn", "math"), default="auto",
+                   help="SDPA kernel of the decode step, for every backend (default: torch's choice)")
+    p.add_argument("--dynamic", action="store_true", help="also run the eager torch.cat (DynamicCache-like) backend")
+    p.add_argument("--skip-dynamic", action="store_true", help=argparse.SUPPRESS)  # the default now
+    p.add_argument("--skip-probe", action="store_true", help="no attention probe")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
+    for key, value in logic.SIZES[args.size].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if not torch.cuda.is_available():
         raise SystemExit("kv_serve needs a CUDA GPU")
     b, max_len = args.max_batch, args.max_len
     mean = args.mean_len or max_len // 4
+    grouped = args.attention == "grouped"
+    token_bytes = args.kv_heads * args.head_dim * 2
+    log(f"kv_serve --size {args.size}: {args.layers} layers, {args.heads} heads / {args.kv_heads} KV x {args.head_dim}, "
+        f"bf16; max_batch {b}, max_len {max_len}, mean length {mean}, {args.requests} requests; attention "
+        f"{args.attention}, SDPA {args.sdpa}; torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"{torch.cuda.get_device_name()}")
+    budget = logic.static_bytes(args.layers, b, max_len, token_bytes)
+    requests, budget_requests = logic.workload(args.requests, b, max_len, mean, args.budget_slots, seed=args.seed)
+    built = time.perf_counter()
     model = build_model(args)
     cfg = model.config
-    token_bytes = cfg.num_key_value_heads * cfg.head_dim * 2
-    mean_out = max(1, mean // 2)
-    requests = logic.make_requests(args.requests, max_len, mean, arrivals_per_step=b / mean_out, seed=args.seed)
-    budget = logic.static_bytes(cfg.num_hidden_layers, b, max_len, token_bytes)
-    budget_requests = logic.make_requests(
-        args.requests, max_len, mean, arrivals_per_step=args.budget_slots * b / mean_out, seed=args.seed + 1
-    )
+    log(f"model built in {time.perf_counter() - built:.1f} s; budget = StaticCache({b}) = {budget / 2**30:.2f} GiB")
 
     runs = []
     with torch.inference_mode():
-        runs.append(serve(model, Static(model, b, max_len), requests, args))
+        picks = {} if args.skip_probe else attention_probe(cfg, b, max_len, grouped)
+        runs.append(serve(model, Static(model, b, max_len), requests, args, "static"))
         torch.cuda.empty_cache()
-        runs.append(serve(model, Stable(cfg, b, max_len), requests, args))
-        if not args.skip_dynamic:
-            runs.append(serve(model, Dynamic(cfg, b), requests, args, graph=False))
+        runs.append(serve(model, Stable(cfg, b, max_len), requests, args, "stable"))
         torch.cuda.empty_cache()
-        runs.append(
-            serve(model, Stable(cfg, args.budget_slots * b, max_len), budget_requests, args, budget=budget)
-        )
-        runs[-1]["name"] = "stable@budget"
+        if args.dynamic:
+            runs.append(serve(model, Dynamic(cfg, b), requests, args, "dynamic", graph=False))
+            torch.cuda.empty_cache()
+        runs.append(serve(model, Stable(cfg, args.budget_slots * b, max_len), budget_requests, args, "stable@budget",
+                          budget=budget))
 
-    print(f"model: {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} heads / {cfg.num_key_value_heads} KV x "
-          f"{cfg.head_dim}, bf16; max_batch {b}, max_len {max_len}, mean length {mean}; "
-          f"budget = StaticCache({b}) = {budget / 2**30:.2f} GiB; device {torch.cuda.get_device_name()}")
-    head = f"{'cache':14} {'slots':>5} {'tok/s':>9} {'step ms':>8} {'p99 ms':>8} {'map ms':>8} {'served':>6} {'peak run':>8} {'torch GiB':>9} {'cache GiB':>9}"
-    print(head)
+    head = (f"{'cache':14} {'slots':>5} {'tok/s':>8} {'step ms':>8} {'p99':>7} {'wall ms':>8} {'p99':>7} {'host us':>8} "
+            f"{'map ms':>7} {'served':>6} {'peak run':>8} {'run s':>6} {'torch GiB':>9} {'cache GiB':>9}")
+    print(head, flush=True)
     for r in runs:
         spike = "-" if r["map_spike_ms"] is None else f"{r['map_spike_ms']:.3f}"
-        print(f"{r['name']:14} {r['slots']:5d} {r['tokens_per_s']:9.0f} {r['median_step_ms']:8.3f} {r['p99_step_ms']:8.3f} "
-              f"{spike:>8} {r['served']:6d} {r['peak_running']:8d} {r['peak_torch_bytes'] / 2**30:9.2f} {r['peak_cache_bytes'] / 2**30:9.2f}")
+        print(f"{r['name']:14} {r['slots']:5d} {r['tokens_per_s']:8.0f} {r['median_step_ms']:8.3f} {r['p99_step_ms']:7.3f} "
+              f"{r['median_wall_ms']:8.3f} {r['p99_wall_ms']:7.3f} {r['median_host_us']:8.1f} {spike:>7} "
+              f"{r['served']:6d} {r['peak_running']:8d} {r['run_s']:6.1f} {r['peak_torch_bytes'] / 2**30:9.2f} "
+              f"{r['peak_cache_bytes'] / 2**30:9.2f}")
+    print("step ms: device time of the graph replay alone (CUDA events; dynamic: the eager step). wall ms: the whole "
+          "step on the host: scheduler, grow, publish, replay, synchronize. host us: its part before the replay. "
+          "tok/s: decoded tokens / summed wall ms. run s: whole run, prefills included.", flush=True)
 
     static, stable, at_budget = runs[0], runs[1], runs[-1]
-    ratio = stable["median_step_ms"] / static["median_step_ms"] if static["median_step_ms"] else float("inf")
-    print(logic.verdict("step time <= 1.03 x StaticCache", ratio <= 1.03,
-                        f"stable {stable['median_step_ms']:.3f} ms / static {static['median_step_ms']:.3f} ms = {ratio:.3f}"))
+    if picks and len(set(picks.values())) > 1:
+        print(f"note: torch picks SDPA {picks['static']} for StaticCache's layout and {picks['stable']} for the "
+              f"KvCache's: the step-time ratio includes that kernel difference (the probe above times each; "
+              f"--sdpa <kernel> runs both on one kernel)")
+
+    def ratio(key: str) -> float:
+        return stable[key] / static[key] if static[key] else float("inf")
+
+    r_dev, r_wall = ratio("median_step_ms"), ratio("median_wall_ms")
+    print(logic.verdict("step time <= 1.03 x StaticCache (graph replay, device)", r_dev <= 1.03,
+                        f"stable {stable['median_step_ms']:.3f} ms / static {static['median_step_ms']:.3f} ms = {r_dev:.3f}"))
+    print(logic.verdict("whole step <= 1.03 x StaticCache (host + device, wall)", r_wall <= 1.03,
+                        f"stable {stable['median_wall_ms']:.3f} ms / static {static['median_wall_ms']:.3f} ms = {r_wall:.3f}"))
     print(logic.verdict("cache memory <= tokens + 1 granule per (seq, layer, K/V)", stable["bound_ok"] and at_budget["bound_ok"],
                         "checked after every step of both stable runs (zero, lengths and scratch granules apart)"))
     spike = stable["map_spike_ms"]
-    print(logic.verdict("no map step > 1.1 x median", None if spike is None else spike <= 1.1 * stable["median_step_ms"],
+    print(logic.verdict("no map step > 1.1 x median (wall)", None if spike is None else spike <= 1.1 * stable["median_wall_ms"],
                         "no step mapped" if spike is None else
-                        f"slowest of {stable['map_steps']} mapping steps {spike:.3f} ms, median {stable['median_step_ms']:.3f} ms"))
-    print(logic.verdict(f">= 2 x {b} sequences at StaticCache({b})'s memory", at_budget["peak_running"] >= 2 * b,
-                        f"{at_budget['peak_running']} running at once (mean length {mean} <= max_len/3 = {max_len // 3}), "
-                        f"peak cache {at_budget['peak_cache_bytes'] / 2**30:.2f} GiB of {budget / 2**30:.2f}"))
+                        f"slowest of {stable['map_steps']} mapping steps {spike:.3f} ms, median {stable['median_wall_ms']:.3f} ms"))
+    within = at_budget["peak_data_bytes"] <= budget
+    at_least = at_budget["peak_running"] >= 2 * b
+    print(logic.verdict(f">= 2 x {b} sequences at StaticCache({b})'s memory",
+                        None if mean > max_len // 3 else (at_least and within),
+                        f"{at_budget['peak_running']} running at once (mean length {mean}, max_len/3 = {max_len // 3}), "
+                        f"peak data mapped {at_budget['peak_data_bytes'] / 2**30:.2f} GiB of {budget / 2**30:.2f} "
+                        f"(held with free list, zero, lengths and scratch granules: "
+                        f"{at_budget['peak_cache_bytes'] / 2**30:.2f} GiB)"))
+    log("done")
 
 
 if __name__ == "__main__":
