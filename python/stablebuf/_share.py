@@ -76,6 +76,17 @@ class SharePacer:
         return busy * (1.0 - self.share) / self.share
 
 
+def crosses_devices(target: Any, source: Any) -> bool:
+    """Whether ``target.copy_(source)`` is a copy between two devices (both tensors say where
+    they are and the places differ). PyTorch runs such a copy on the source's device and puts a
+    two-way barrier around *each one* between the current streams of both devices (an event
+    recorded on each and waited for on the other), so the copies of a write are serialised
+    through the destination device's queue, one round trip per tensor: where another process
+    keeps that device busy (a serving engine), every copy waits for its turn there."""
+    a, b = getattr(target, "device", None), getattr(source, "device", None)
+    return a is not None and b is not None and a != b
+
+
 def write_shared(
     torch: Any,
     dst: Mapping[str, Any],
@@ -89,34 +100,66 @@ def write_shared(
     1 every copy is queued at once (the caller synchronises). Below 1 the copies go in chunks
     (:func:`plan_chunks`); after each chunk the current device and ``devices`` are synchronised
     and the writer sleeps :meth:`SharePacer.pause_after` the chunk's time, so the engine sharing
-    the GPU or the link gets the rest. Returns ``{"chunks", "busy_s", "paused_s"}``."""
+    the GPU or the link gets the rest.
+
+    Returns where the time went (seconds) and what was done: ``chunks``; ``copies`` (``copy_``
+    calls); ``cross_device`` (those between two devices, see :func:`crosses_devices`: 0 when
+    the destination's views live on the source's device, as a trainer's are); ``issue_s``
+    (queuing the copies); ``wait_s`` (in the chunks' synchronisations: 0 at share 1);
+    ``busy_s`` (``issue_s + wait_s``); ``paused_s`` (the pacer's sleeps)."""
     pacer = SharePacer(share)
     if pacer.off:
+        cross = 0
+        start = time.perf_counter()
         for name, source in src.items():
-            dst[name].copy_(source, non_blocking=True)
-        return {"chunks": 1.0, "busy_s": 0.0, "paused_s": 0.0}
+            target = dst[name]
+            cross += crosses_devices(target, source)
+            target.copy_(source, non_blocking=True)
+        issue = time.perf_counter() - start
+        return {
+            "chunks": 1.0,
+            "copies": float(len(src)),
+            "cross_device": float(cross),
+            "issue_s": issue,
+            "wait_s": 0.0,
+            "busy_s": issue,
+            "paused_s": 0.0,
+        }
     plan = plan_chunks(
         ((n, tuple(dst[n].shape), dst[n].element_size()) for n in src), chunk_bytes
     )
-    busy = paused = 0.0
+    issue = wait = paused = 0.0
+    copies = cross = 0
     for chunk in plan:
         start = time.perf_counter()
         for name, lo, hi in chunk:
             target, source = dst[name], src[name]
+            cross += crosses_devices(target, source)
+            copies += 1
             if target.dim() == 0:
                 target.copy_(source, non_blocking=True)
             else:
                 target[lo:hi].copy_(source[lo:hi], non_blocking=True)
+        queued = time.perf_counter()
         torch.cuda.synchronize()
         for device in devices:
             torch.cuda.synchronize(device)
-        spent = time.perf_counter() - start
-        busy += spent
-        pause = pacer.pause_after(spent)
+        done = time.perf_counter()
+        issue += queued - start
+        wait += done - queued
+        pause = pacer.pause_after(done - start)
         if pause > 0.0:
             time.sleep(pause)
             paused += pause
-    return {"chunks": float(len(plan)), "busy_s": busy, "paused_s": paused}
+    return {
+        "chunks": float(len(plan)),
+        "copies": float(copies),
+        "cross_device": float(cross),
+        "issue_s": issue,
+        "wait_s": wait,
+        "busy_s": issue + wait,
+        "paused_s": paused,
+    }
 
 
 # ---------------------------------------------------------------------------- statistics

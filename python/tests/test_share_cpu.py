@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import math
 import random
+import time
 
 import pytest
 
 from stablebuf._share import (
     SharePacer,
+    crosses_devices,
     percentile,
     plan_chunks,
     summarize,
@@ -140,6 +142,67 @@ def test_write_shared_queues_everything_at_share_one_and_chunks_below():
     ]
     assert log[0][4] == ("slice", "A", 0, 2)
     assert fake.cuda.syncs == [None, 3] * 3 and info["chunks"] == 3.0
+
+
+class _OnDevice:
+    """A stand-in tensor that says where it lives and records its copies."""
+
+    def __init__(self, device, log, shape=(4, 2)):
+        self.device, self.log, self.shape = device, log, shape
+
+    def element_size(self):
+        return 2
+
+    def dim(self):
+        return len(self.shape)
+
+    def __getitem__(self, rows):
+        return self
+
+    def copy_(self, source, non_blocking=False):
+        self.log.append((self.device, getattr(source, "device", None), non_blocking))
+
+
+class _SlowCuda(_FakeCuda):
+    def synchronize(self, device=None):
+        super().synchronize(device)
+        time.sleep(0.002)
+
+
+def test_a_copy_between_devices_is_counted_and_one_on_a_device_is_not():
+    log = []
+    assert crosses_devices(_OnDevice("cuda:1", log), _OnDevice("cuda:0", log))
+    assert not crosses_devices(_OnDevice("cuda:0", log), _OnDevice("cuda:0", log))
+    assert not crosses_devices(_OnDevice("cuda:0", log), "no device")  # cannot tell: not counted
+    fake = _FakeTorch()
+    peer = {n: _OnDevice("cuda:1", log) for n in "ab"}
+    mine = {n: _OnDevice("cuda:0", log) for n in "ab"}
+    info = write_shared(fake, peer, mine, share=1.0)
+    assert info["copies"] == 2.0 and info["cross_device"] == 2.0
+    info = write_shared(fake, {n: _OnDevice("cuda:0", log) for n in "ab"}, mine, share=1.0)
+    assert info["cross_device"] == 0.0
+    assert all(blocking for _, _, blocking in log)  # every copy queued, none waited for
+
+
+def test_write_shared_says_where_the_time_went():
+    log = []
+    src = {n: _OnDevice("cuda:0", log) for n in "abc"}
+    fake = _FakeTorch()
+    fake.cuda = _SlowCuda()
+    info = write_shared(fake, {n: _OnDevice("cuda:0", log) for n in "abc"}, src, share=1.0)
+    # Share 1: queued at once, no synchronisation (the caller's), no pause.
+    assert fake.cuda.syncs == [] and info["wait_s"] == 0.0 and info["paused_s"] == 0.0
+    assert info["issue_s"] >= 0.0 and info["busy_s"] == info["issue_s"]
+    fake.cuda = _SlowCuda()
+    dst = {n: _OnDevice("cuda:0", log) for n in "abc"}
+    info = write_shared(fake, dst, src, share=0.5, chunk_bytes=16, devices=[1])
+    # One chunk per tensor (16 bytes each); each chunk waits for the current device and GPU 1.
+    assert info["chunks"] == 3.0 and info["copies"] == 3.0 and info["cross_device"] == 0.0
+    assert fake.cuda.syncs == [None, 1] * 3
+    assert info["wait_s"] >= 3 * 2 * 0.002 * 0.9
+    assert info["busy_s"] == pytest.approx(info["issue_s"] + info["wait_s"])
+    # Share 0.5: as long paused as busy.
+    assert info["paused_s"] == pytest.approx(info["busy_s"], rel=1e-6)
 
 
 def test_percentiles_are_nearest_rank_and_the_summary_is_right():
