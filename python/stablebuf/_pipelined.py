@@ -399,12 +399,15 @@ class PipelinedTrainer:
         self._versions = VersionBook(max(t.version for t in self._trainers))
         #: ``time.monotonic_ns()`` just before the last commit was sent.
         self.last_commit_at_ns = 0
+        #: Where the last :meth:`publish` spent its time, as
+        #: :attr:`stablebuf.publish.Trainer.last_write` says, with ``region``.
+        self.last_write: Dict[str, float] = {}
 
     @classmethod
     def connect(cls, path: str, **kwargs: Any) -> "PipelinedTrainer":
         """Connects to both sockets of the engine at ``path`` (keyword arguments as for
         :meth:`stablebuf.publish.Trainer.connect`: ``expect``, ``device``, ``access``,
-        ``timeout``, ...)."""
+        ``writer``, ``timeout``, ...)."""
         trainers: List[Trainer] = []
         try:
             for p in region_paths(path):
@@ -473,11 +476,15 @@ class PipelinedTrainer:
         problem = self._versions.problem(version)
         if problem is not None:
             raise VersionConflict(problem)
+        t0 = time.perf_counter()
         region, set_id = self.acquire(timeout)
-        trainer = self._trainers[region]
-        trainer._write(set_id, weights, share, chunk_bytes)
-        trainer._synchronize(set_id)
+        t1 = time.perf_counter()
+        parts = self._trainers[region]._write_synchronized(set_id, weights, share, chunk_bytes)
+        t2 = time.perf_counter()
         self.commit(region, set_id, version)
+        t3 = time.perf_counter()
+        parts.update(acquire_s=t1 - t0, commit_s=t3 - t2, total_s=t3 - t0, region=float(region))
+        self.last_write = parts
         return region, set_id
 
     def close(self) -> None:

@@ -49,6 +49,8 @@ next to nothing, and a version every rank has is bound within ``2 * agree_every`
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import math
 import time
 from array import array
 from dataclasses import dataclass
@@ -188,6 +190,121 @@ def _wait_for_message(channel: Any, deadline: Optional[float], what: str) -> Non
         if deadline is not None and time.monotonic() > deadline:
             raise PublishTimeout(f"nothing arrived while waiting for {what}")
         time.sleep(_POLL_SECONDS)
+
+
+def choose_writer(
+    device: int, access: Optional[Sequence[int]], current: int, writer: Optional[int] = None
+) -> int:
+    """The device whose streams write a trainer's imported sets (its views of them live there):
+    ``writer`` when given, else the ``current`` device when it may write them, else ``device``
+    (where they were imported). A device may write them when it is ``device`` or in
+    ``access``; a ``writer`` that may not is a ``ValueError``.
+
+    Why it matters: a trainer on GPU 0 writing sets of an engine on GPU 1 over NVLink. With
+    views on GPU 1, every ``copy_`` from GPU 0 is a copy between devices, which PyTorch fences
+    per tensor against the trainer's queue on GPU 1 (:func:`stablebuf._share.crosses_devices`):
+    the tensors go one at a time, each waiting for GPU 1, busy serving, to take the trainer's
+    turn. With views on GPU 0 (the set is mapped for it) every copy is an ordinary copy on
+    GPU 0's stream, queued at once, and GPU 1 sees only the bytes arriving."""
+    allowed = {int(device)} | {int(d) for d in (access or ())}
+    if writer is not None:
+        if int(writer) not in allowed:
+            raise ValueError(
+                f"writer={writer}: the sets are mapped for devices {sorted(allowed)} only "
+                f"(pass it in access=[{int(device)}, {int(writer)}])"
+            )
+        return int(writer)
+    return int(current) if int(current) in allowed else int(device)
+
+
+class _DLTensorHead(ctypes.Structure):
+    """The start of DLPack's ``DLTensor`` (``data``, ``device``, ``ndim``, ``dtype``,
+    ``shape``), as C lays it out on a 64-bit host."""
+
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device_type", ctypes.c_int32),
+        ("device_id", ctypes.c_int32),
+        ("ndim", ctypes.c_int32),
+        ("code", ctypes.c_uint8),
+        ("bits", ctypes.c_uint8),
+        ("lanes", ctypes.c_uint16),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+    ]
+
+
+_DLTENSOR = b"dltensor"
+# Own prototypes: ctypes.pythonapi's shared function objects are left as they are.
+_capsule_is_valid = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.c_char_p)(
+    ("PyCapsule_IsValid", ctypes.pythonapi)
+)
+_capsule_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
+    ("PyCapsule_GetPointer", ctypes.pythonapi)
+)
+
+
+def retarget_capsule(capsule: Any, device_type: int, from_id: int, to_id: int) -> None:
+    """Makes the extension's DLPack capsule of a whole weight set (unconsumed, legacy
+    ``"dltensor"``: one-dimensional ``uint8``) say device ``to_id`` instead of ``from_id``,
+    so ``torch.from_dlpack`` makes the tensor on that device: a set imported on the engine's
+    GPU and mapped for a peer as well (``access=``) is then addressed from the peer, whose
+    copies into it are copies on one device. Only the device id changes; the memory's owner
+    (the capsule's deleter) is the extension's as before. :class:`PublishError` (the capsule
+    untouched) for anything but such a capsule on ``(device_type, from_id)``."""
+    if not _capsule_is_valid(capsule, _DLTENSOR):
+        raise PublishError("not an unconsumed DLPack capsule (\"dltensor\")")
+    head = _DLTensorHead.from_address(_capsule_pointer(capsule, _DLTENSOR))
+    seen = (head.device_type, head.device_id, head.ndim, head.code, head.bits, head.lanes)
+    if seen != (device_type, from_id, 1, 1, 8, 1):
+        raise PublishError(
+            f"unexpected DLPack tensor (device type, device, ndim, dtype code, bits, lanes) = "
+            f"{seen}, expected ({device_type}, {from_id}, 1, 1, 8, 1)"
+        )
+    head.device_id = int(to_id)
+
+
+def _flat_on(torch: Any, imported: Any, device: int) -> Any:
+    """A one-dimensional ``uint8`` tensor over the whole of ``imported`` (zero-copy, keeping it
+    alive), on CUDA device ``device``: ``imported``'s own or a peer it is mapped for."""
+    kind, own = imported.__dlpack_device__()
+    if int(device) == int(own):
+        return torch.from_dlpack(imported)
+    capsule = imported.__dlpack__()
+    retarget_capsule(capsule, kind, own, device)
+    return torch.from_dlpack(capsule)
+
+
+class _GpuSpan:
+    """The GPU time from :meth:`start` to :meth:`stop` on the current stream of ``device``
+    (two timing events); ``seconds()`` once both are done, ``nan`` where it cannot tell."""
+
+    def __init__(self, torch: Any, device: int) -> None:
+        self._events = None
+        try:
+            stream = torch.cuda.current_stream(device)
+            self._stream = stream
+            self._events = (
+                torch.cuda.Event(enable_timing=True),
+                torch.cuda.Event(enable_timing=True),
+            )
+        except Exception:  # noqa: BLE001 - timing is a report, never a reason to fail
+            self._events = None
+
+    def start(self) -> None:
+        if self._events is not None:
+            self._events[0].record(self._stream)
+
+    def stop(self) -> None:
+        if self._events is not None:
+            self._events[1].record(self._stream)
+
+    def seconds(self) -> float:
+        if self._events is None:
+            return math.nan
+        try:
+            return self._events[0].elapsed_time(self._events[1]) / 1e3
+        except Exception:  # noqa: BLE001
+            return math.nan
 
 
 @dataclass(frozen=True)
@@ -646,11 +763,29 @@ class Trainer:
     into a free set and commits it; :meth:`writing` gives the tensors of a free set to fill
     yourself."""
 
-    def __init__(self, channel: Any, manifest: Manifest, sets: Sequence[Any], torch: Any) -> None:
+    def __init__(
+        self,
+        channel: Any,
+        manifest: Manifest,
+        sets: Sequence[Any],
+        torch: Any,
+        writer: Optional[int] = None,
+    ) -> None:
         self._channel = channel
         self.manifest = manifest
         self._sets = {imported.set_id: imported for imported in sets}
         self._torch = torch
+        #: The device whose streams write the sets (their views live there): see
+        #: :func:`choose_writer`. ``None``: each set's own device.
+        self.writer = writer
+        #: Where the last :meth:`publish` spent its time (seconds) and what it did:
+        #: ``acquire_s``, ``issue_s`` (queuing the copies), ``wait_s`` (waiting for them:
+        #: the chunks' synchronisations and the last one), ``gpu_s`` (first copy to last on
+        #: the writer's stream, pauses included), ``paused_s``, ``commit_s``, ``total_s``;
+        #: ``chunks``, ``copies``, ``cross_device`` (copies between two devices: see
+        #: :func:`stablebuf._share.crosses_devices`), ``bytes``, ``writer``, ``set_device``.
+        self.last_write: Dict[str, float] = {}
+        self._bytes = sum(math.prod(e.shape) * e.itemsize for e in manifest.entries)
         self._views: Dict[int, Dict[str, Any]] = {}
         self._free: List[int] = []
         # Versions continue after what the engine has taken (from an earlier trainer, say).
@@ -669,18 +804,29 @@ class Trainer:
         device: Optional[int] = None,
         access: Optional[Sequence[int]] = None,
         timeout: Optional[float] = 30.0,
+        writer: Optional[int] = None,
     ) -> "Trainer":
         """Connects to the engine at ``path`` (retrying until ``timeout``), receives its
         manifest and imports its sets on ``device`` (default: the current device; it must be
         the engine's GPU, else :class:`OfferMismatch`: a tensor-parallel rank's trainer passes
         its engine's GPU). ``access`` adds devices that may write the sets (a peer GPU).
 
+        ``writer``: the device that writes the sets; :meth:`tensors` are views on it. Default:
+        the current device when it may write them (it is ``device`` or in ``access``), else
+        ``device``. A trainer on GPU 0 publishing to an engine on GPU 1
+        (``device=1, access=[1, 0]``, GPU 0 current) thus writes from GPU 0 with copies on
+        one device, at the link's speed, and queues nothing on the engine's GPU
+        (:func:`choose_writer` says why that matters). ``ValueError`` for a ``writer`` the
+        sets are not mapped for.
+
         ``expect`` (name → tensor or ``(shape, dtype)``): raise :class:`OfferMismatch` naming
         the first difference in names or shapes (and dtypes with ``check_dtypes``) before
         anything is imported."""
         torch = cuda_torch()
+        current = torch.cuda.current_device()
         if device is None:
-            device = torch.cuda.current_device()
+            device = current
+        writer = choose_writer(device, access, current, writer)  # misuse: before connecting
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             try:
@@ -729,7 +875,7 @@ class Trainer:
         except BaseException:
             channel.close()
             raise
-        return cls(channel, manifest, imported, torch)
+        return cls(channel, manifest, imported, torch, writer)
 
     # ----------------------------------------------------------------- tensors
 
@@ -738,7 +884,8 @@ class Trainer:
         return sorted(self._sets)
 
     def tensors(self, set_id: int) -> Dict[str, Any]:
-        """``name → tensor`` over set ``set_id`` (zero-copy views of the imported memory)."""
+        """``name → tensor`` over set ``set_id`` (zero-copy views of the imported memory), on
+        the :attr:`writer` device."""
         views = self._views.get(set_id)
         if views is None:
             views = self._build_views(self._sets[set_id])
@@ -749,7 +896,8 @@ class Trainer:
         torch = self._torch
         # DLPack built in Rust over the imported mapping: zero-copy, keeps the set alive, and
         # needs no NumPy (torch parses __cuda_array_interface__ with NumPy).
-        flat = torch.from_dlpack(imported)
+        device = imported.device if self.writer is None else self.writer
+        flat = _flat_on(torch, imported, device)
         views = {}
         for e in self.manifest.entries:
             dtype = getattr(torch, e.dtype)
@@ -818,10 +966,22 @@ class Trainer:
         self._synchronize(set_id)
         self.commit(set_id, version)
 
+    def _other_devices(self, set_id: int) -> List[int]:
+        """The devices besides the current one whose streams may have written set
+        ``set_id``: the writer and the set's own (each once)."""
+        current = self._torch.cuda.current_device()
+        out: List[int] = []
+        for device in (self.writer, self._sets[set_id].device):
+            if device is not None and device != current and device not in out:
+                out.append(device)
+        return out
+
     def _synchronize(self, set_id: int) -> None:
-        # The writes may run on this device's streams and on the set's own device (a peer).
+        # The writes may run on this device's streams, the writer's and the set's own device
+        # (a peer). Nothing queued on a device makes its synchronisation a host call only.
         self._torch.cuda.synchronize()
-        self._torch.cuda.synchronize(self._sets[set_id].device)
+        for device in self._other_devices(set_id):
+            self._torch.cuda.synchronize(device)
 
     def publish(
         self,
@@ -839,7 +999,7 @@ class Trainer:
         ``share`` below 1 leaves the engine the rest of the GPU or link: the copies go in
         chunks of ``chunk_bytes``, each followed by a pause so that writing takes about
         ``share`` of the wall time (:func:`stablebuf._share.write_shared`); the write then
-        takes about 1/``share`` as long."""
+        takes about 1/``share`` as long. :attr:`last_write` says where the time went."""
         SharePacer(share)  # ValueError for a share outside (0, 1], before anything else
         problem = self.manifest.first_mismatch(weights, dtypes=False)
         if problem is not None:
@@ -847,23 +1007,52 @@ class Trainer:
         problem = self._versions.problem(version)
         if problem is not None:
             raise VersionConflict(problem)
+        t0 = time.perf_counter()
         set_id = self.acquire(timeout)
-        self._write(set_id, weights, share, chunk_bytes)
-        self._synchronize(set_id)
+        t1 = time.perf_counter()
+        parts = self._write_synchronized(set_id, weights, share, chunk_bytes)
+        t2 = time.perf_counter()
         self.commit(set_id, version)
+        t3 = time.perf_counter()
+        parts.update(acquire_s=t1 - t0, commit_s=t3 - t2, total_s=t3 - t0)
+        self.last_write = parts
         return set_id
 
-    def _write(
+    def _write_synchronized(
         self, set_id: int, weights: Mapping[str, Any], share: float, chunk_bytes: int
-    ) -> None:
-        write_shared(
+    ) -> Dict[str, float]:
+        """Writes ``weights`` into set ``set_id`` and waits for the writes; returns where the
+        time went (the keys of :attr:`last_write` but ``acquire_s``, ``commit_s``,
+        ``total_s``)."""
+        set_device = self._sets[set_id].device
+        writer = set_device if self.writer is None else self.writer
+        views = self.tensors(set_id)
+        span = _GpuSpan(self._torch, writer)
+        span.start()
+        info = write_shared(
             self._torch,
-            self.tensors(set_id),
+            views,
             weights,
             share=share,
             chunk_bytes=chunk_bytes,
-            devices=[self._sets[set_id].device],
+            devices=self._other_devices(set_id),
         )
+        span.stop()
+        start = time.perf_counter()
+        self._synchronize(set_id)
+        waited = time.perf_counter() - start
+        return {
+            "issue_s": info["issue_s"],
+            "wait_s": info["wait_s"] + waited,
+            "gpu_s": span.seconds(),
+            "paused_s": info["paused_s"],
+            "chunks": info["chunks"],
+            "copies": info["copies"],
+            "cross_device": info["cross_device"],
+            "bytes": float(self._bytes),
+            "writer": float(writer),
+            "set_device": float(set_device),
+        }
 
     def close(self) -> None:
         """Closes the connection and lets go of the imported sets (their memory is freed once

@@ -602,3 +602,205 @@ def test_poll_between_agreement_boundaries_is_cheap(make_engine, capsys):
     with capsys.disabled():
         print("\n" + "\n".join(lines))
     assert between_median[DEFAULT_AGREE_EVERY] < 200, lines
+
+
+# ---------------------------------------------------------------------------- the trainer's write
+#
+# A trainer on GPU 0 publishing to an engine on GPU 1 (issue 41): the sets are imported on the
+# engine's GPU and mapped for GPU 0 too; the trainer's views of them must live on GPU 0, so that
+# each copy is a copy on one device (PyTorch fences every copy between two devices against both
+# devices' queues). On the CPU: the set is an extension's DLPack probe (host bytes) whose
+# capsule is retargeted to a made-up device, and torch is a recorder.
+
+
+def test_the_writer_is_the_current_device_when_the_sets_are_mapped_for_it():
+    choose = publish.choose_writer
+    assert choose(1, [1, 0], current=0) == 0  # trainer on GPU 0, engine on GPU 1
+    assert choose(1, None, current=0) == 1  # not mapped for GPU 0: the set's device, as before
+    assert choose(0, None, current=0) == 0  # one GPU
+    assert choose(1, [1, 0], current=2) == 1
+    assert choose(1, [1, 0], current=0, writer=1) == 1  # asked for: the old way, on purpose
+    with pytest.raises(ValueError, match="access"):
+        choose(1, [1], current=0, writer=0)
+
+
+def _head(capsule):
+    return publish._DLTensorHead.from_address(publish._capsule_pointer(capsule, b"dltensor"))
+
+
+def test_a_capsule_is_retargeted_only_when_it_is_what_the_extension_makes():
+    import ctypes
+
+    probe = _native._DlpackProbe([7, 8, 9, 10, 11])
+    capsule = probe.__dlpack__()
+    head = _head(capsule)
+    # The layout read is the extension's: its data, shape and dtype come out right.
+    assert (head.device_type, head.device_id, head.ndim, head.shape[0]) == (1, 0, 1, 5)
+    assert (head.code, head.bits, head.lanes) == (1, 8, 1)
+    assert ctypes.string_at(head.data, 5) == bytes([7, 8, 9, 10, 11])
+    publish.retarget_capsule(capsule, 1, 0, 3)
+    assert head.device_id == 3 and head.device_type == 1 and head.shape[0] == 5
+    assert ctypes.string_at(head.data, 5) == bytes([7, 8, 9, 10, 11])
+    with pytest.raises(publish.PublishError, match="expected"):
+        publish.retarget_capsule(capsule, 1, 0, 4)  # it says device 3 now: untouched
+    assert head.device_id == 3
+    with pytest.raises(publish.PublishError, match="capsule"):
+        publish.retarget_capsule(object(), 1, 0, 3)
+    del capsule, head  # the unconsumed capsule's destructor frees it (the extension's deleter)
+
+
+class _View:
+    """A view of a fake set: says where it lives, records the copies into it."""
+
+    def __init__(self, device, log, shape=(), dtype="uint8"):
+        self.device, self.log, self.shape, self.dtype = device, log, tuple(shape), dtype
+
+    def __getitem__(self, rows):
+        return _View(self.device, self.log, self.shape, self.dtype)
+
+    def view(self, dtype):
+        return _View(self.device, self.log, self.shape, dtype)
+
+    def as_strided(self, shape, stride):
+        return _View(self.device, self.log, shape, self.dtype)
+
+    def reshape(self, shape):
+        return _View(self.device, self.log, shape, self.dtype)
+
+    def element_size(self):
+        return {"bfloat16": 2, "float32": 4}.get(self.dtype, 1)
+
+    def dim(self):
+        return len(self.shape)
+
+    def copy_(self, source, non_blocking=False):
+        self.log.append(("copy", self.device, source.device))
+
+
+class _Event:
+    def __init__(self, log):
+        self.log = log
+
+    def record(self, stream):
+        self.log.append(("event", stream))
+
+    def elapsed_time(self, other):
+        return 1.5  # ms
+
+
+class _TrainerCuda:
+    def __init__(self, current, log):
+        self.current, self.log = current, log
+
+    def current_device(self):
+        return self.current
+
+    def current_stream(self, device=None):
+        return f"stream{self.current if device is None else device}"
+
+    def synchronize(self, device=None):
+        self.log.append(("sync", device))
+
+    def Event(self, enable_timing=False):  # noqa: N802 - torch's name
+        return _Event(self.log)
+
+
+class _TrainerTorch:
+    bfloat16, float32 = "bfloat16", "float32"
+
+    def __init__(self, current, log):
+        self.cuda = _TrainerCuda(current, log)
+        self.log = log
+
+    def from_dlpack(self, source):
+        if hasattr(source, "__dlpack_device__"):
+            device = source.__dlpack_device__()[1]
+        else:  # a capsule: the device it says
+            device = _head(source).device_id
+        self.log.append(("from_dlpack", device))
+        return _View(device, self.log)
+
+    def empty(self, *shape, dtype=None, device=None):
+        return _View(device, self.log, shape, dtype)
+
+
+class _ImportedProbe:
+    """An imported set as the trainer sees it, over host bytes (the extension's probe), on
+    "device" 0."""
+
+    def __init__(self, set_id, nbytes):
+        self.set_id, self.device = set_id, 0
+        self._probe = _native._DlpackProbe([0] * nbytes)
+
+    def __dlpack_device__(self):
+        return self._probe.__dlpack_device__()
+
+    def __dlpack__(self, **kwargs):
+        return self._probe.__dlpack__()
+
+
+class _TrainerChannel:
+    def __init__(self, log, released):
+        self.log, self.inbox = log, [("released", s, 0, "") for s in released]
+
+    def message_waiting(self):
+        return bool(self.inbox)
+
+    def receive(self):
+        return self.inbox.pop(0)
+
+    def send(self, kind, **fields):
+        self.log.append((kind, fields.get("set"), fields.get("version")))
+
+
+def _trainer(writer, current=3):
+    from stablebuf._manifest import Entry, Manifest
+
+    entries = [
+        Entry("a", 0, (4, 2), (2, 1), "bfloat16"),  # 16 bytes
+        Entry("b", 16, (3,), (1,), "float32"),  # 12 bytes
+    ]
+    manifest = Manifest.build("w", 32, 2, entries)
+    log: list = []
+    sets = [_ImportedProbe(1, 32), _ImportedProbe(2, 32)]
+    trainer = publish.Trainer(
+        _TrainerChannel(log, [1]), manifest, sets, _TrainerTorch(current, log), writer
+    )
+    weights = {"a": _View(current, [], (4, 2), "bfloat16"), "b": _View(current, [], (3,), "float32")}
+    return trainer, weights, log
+
+
+def test_a_peer_trainer_writes_through_views_on_its_own_device_then_waits_then_commits():
+    trainer, weights, log = _trainer(writer=3)  # the trainer's GPU 3; the set on "device" 0
+    assert trainer.publish(weights, version=1) == 1
+    assert ("from_dlpack", 3) in log  # the views live on the writer
+    copies = [e for e in log if e[0] == "copy"]
+    assert copies == [("copy", 3, 3), ("copy", 3, 3)]  # copies on one device: no fences
+    syncs = [i for i, e in enumerate(log) if e[0] == "sync"]
+    commit = log.index(("commit", 1, 1))
+    assert [log[i] for i in syncs] == [("sync", None), ("sync", 0)] and syncs[-1] < commit
+    assert log.index(copies[-1]) < syncs[0]
+    parts = trainer.last_write
+    assert parts["cross_device"] == 0.0 and parts["copies"] == 2.0 and parts["chunks"] == 1.0
+    assert (parts["writer"], parts["set_device"], parts["bytes"]) == (3.0, 0.0, 28.0)
+    assert parts["gpu_s"] == pytest.approx(1.5e-3)
+    for key in ("acquire_s", "issue_s", "wait_s", "paused_s", "commit_s", "total_s"):
+        assert parts[key] >= 0.0
+    assert parts["total_s"] >= parts["issue_s"] + parts["wait_s"]
+
+
+def test_views_on_the_sets_device_copy_between_devices_and_say_so():
+    trainer, weights, log = _trainer(writer=None)  # the old way: views on the set's device
+    trainer.publish(weights, version=1)
+    assert ("from_dlpack", 0) in log
+    assert trainer.last_write["cross_device"] == 2.0
+
+
+def test_a_shared_write_from_a_peer_waits_for_every_chunk_on_both_devices():
+    trainer, weights, log = _trainer(writer=3)
+    trainer.publish(weights, version=1, share=0.5, chunk_bytes=8)
+    # "a" in two chunks of 8 bytes, "b" in two (8 + 4): each chunk, then the last wait.
+    syncs = [e for e in log if e[0] == "sync"]
+    assert syncs == [("sync", None), ("sync", 0)] * 5
+    assert trainer.last_write["chunks"] == 4.0 and trainer.last_write["cross_device"] == 0.0
+    assert trainer.last_write["paused_s"] > 0.0
