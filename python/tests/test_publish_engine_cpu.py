@@ -701,7 +701,7 @@ class _TrainerCuda:
     def synchronize(self, device=None):
         self.log.append(("sync", device))
 
-    def Event(self, enable_timing=False):  # noqa: N802 - torch's name
+    def Event(self, enable_timing=False):  # torch's name
         return _Event(self.log)
 
 
@@ -766,7 +766,10 @@ def _trainer(writer, current=3):
     trainer = publish.Trainer(
         _TrainerChannel(log, [1]), manifest, sets, _TrainerTorch(current, log), writer
     )
-    weights = {"a": _View(current, [], (4, 2), "bfloat16"), "b": _View(current, [], (3,), "float32")}
+    weights = {
+        "a": _View(current, [], (4, 2), "bfloat16"),
+        "b": _View(current, [], (3,), "float32"),
+    }
     return trainer, weights, log
 
 
