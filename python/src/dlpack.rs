@@ -238,6 +238,9 @@ pub struct DlpackExport {
     array: ArrayDesc,
     device_type: i32,
     device_id: i32,
+    /// Other devices of the same type that may address the memory (a weight set mapped for a
+    /// peer GPU as well): `__dlpack__(dl_device=(type, peer))` exports it as theirs.
+    peers: Vec<i32>,
     /// What keeps `[ptr, ptr + bytes)` valid; each capsule holds a clone, so its last holder
     /// drops it (a weight set's is context-neutral: the capsule's deleter runs wherever PyTorch
     /// frees the tensor).
@@ -273,7 +276,35 @@ impl DlpackExport {
             array,
             device_type,
             device_id,
+            peers: Vec::new(),
             owner,
+        }
+    }
+
+    /// Lets `__dlpack__(dl_device=...)` export the memory as that of any of `peers` (devices
+    /// of the same type that may address it: those its mapping grants access to).
+    pub fn with_peers(mut self, peers: impl IntoIterator<Item = i32>) -> Self {
+        self.peers = peers
+            .into_iter()
+            .filter(|&peer| peer != self.device_id)
+            .collect();
+        self
+    }
+
+    /// The device a capsule says: the export's own, or `dl_device` when it names a peer.
+    fn device_for(&self, dl_device: Option<(i32, i32)>) -> PyResult<(i32, i32)> {
+        let own = (self.device_type, self.device_id);
+        match dl_device {
+            None => Ok(own),
+            Some(asked) if asked == own => Ok(own),
+            Some((kind, id)) if kind == self.device_type && self.peers.contains(&id) => {
+                Ok((kind, id))
+            }
+            Some(asked) => Err(PyBufferError::new_err(format!(
+                "dl_device {asked:?}: this memory is on {own:?} and mapped for devices {:?} of \
+                 its type only (a copy to another device is not made here)",
+                self.peers
+            ))),
         }
     }
 }
@@ -284,24 +315,21 @@ impl DlpackExport {
     /// element type): `torch.from_dlpack(obj)` is a
     /// zero-copy tensor over it that keeps the memory alive, with no NumPy needed. Exported
     /// memory has no work in flight when handed out, so `stream` needs no ordering.
+    /// `dl_device=(type, id)` exports it as device `id`'s when its mapping grants that device
+    /// access (a peer GPU writing a weight set: its copies are then copies on one device);
+    /// any other device is a `BufferError` (no copy is made).
     #[pyo3(signature = (stream=None, max_version=None, dl_device=None, copy=None))]
     fn __dlpack__<'py>(
         &self,
         py: Python<'py>,
         stream: Option<&Bound<'py, PyAny>>,
         max_version: Option<&Bound<'py, PyAny>>,
-        dl_device: Option<&Bound<'py, PyAny>>,
+        dl_device: Option<(i32, i32)>,
         copy: Option<bool>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let _ = (stream, max_version, dl_device);
-        capsule_of(
-            py,
-            self.ptr,
-            &self.array,
-            (self.device_type, self.device_id),
-            copy,
-            self.owner.clone(),
-        )
+        let _ = (stream, max_version);
+        let device = self.device_for(dl_device)?;
+        capsule_of(py, self.ptr, &self.array, device, copy, self.owner.clone())
     }
 
     /// `(device type, device)`: `(kDLCUDA, device)` for device memory, `(kDLCPU, 0)` for host
@@ -319,9 +347,11 @@ pub struct DlpackProbe;
 #[pymethods]
 impl DlpackProbe {
     #[new]
-    fn new(values: Vec<u8>) -> PyClassInitializer<Self> {
+    #[pyo3(signature = (values, peers=Vec::new()))]
+    fn new(values: Vec<u8>, peers: Vec<i32>) -> PyClassInitializer<Self> {
         let bytes = Arc::new(values);
-        let export = DlpackExport::new(bytes.as_ptr() as u64, bytes.len(), (DEVICE_CPU, 0), bytes);
+        let export = DlpackExport::new(bytes.as_ptr() as u64, bytes.len(), (DEVICE_CPU, 0), bytes)
+            .with_peers(peers);
         PyClassInitializer::from(export).add_subclass(Self)
     }
 }

@@ -249,13 +249,20 @@ impl Channel {
             bytes: nbytes,
         };
         let access = access.unwrap_or_default();
+        // The devices the mapping grants access to may address the set as theirs (a trainer on
+        // a peer GPU writes through views on its own GPU).
+        let peers: Vec<i32> = access
+            .iter()
+            .filter_map(|&d| i32::try_from(d).ok())
+            .collect();
         let (snapshot, offer) = self.with(py, move |socket| {
             publish::receive_weight_set_for(socket, &ctx, &expect, &access)
         })?;
         let ptr = snapshot.home_ptr().map_err(publish_error)?;
         // The capsules' owner: dropped wherever PyTorch frees the last tensor over the set.
         let owner = Arc::new(ContextNeutral::new(snapshot.clone()));
-        let export = DlpackExport::new(ptr, snapshot.bytes(), (DEVICE_CUDA, device), owner);
+        let export = DlpackExport::new(ptr, snapshot.bytes(), (DEVICE_CUDA, device), owner)
+            .with_peers(peers);
         let set = ImportedWeightSet {
             snapshot: ContextNeutral::new(snapshot),
             set: offer.set,

@@ -109,7 +109,7 @@ class _DlpackExport:
         self,
         stream: Optional[object] = None,
         max_version: Optional[object] = None,
-        dl_device: Optional[object] = None,
+        dl_device: Optional[Tuple[int, int]] = None,
         copy: Optional[bool] = None,
     ) -> object: ...
     def __dlpack_device__(self) -> Tuple[int, int]: ...
@@ -131,7 +131,7 @@ class ImportedWeightSet(_DlpackExport):
 class _DlpackProbe(_DlpackExport):
     """Host bytes as a DLPack capsule: for the CPU test of the capsules only."""
 
-    def __init__(self, values: List[int]) -> None: ...
+    def __init__(self, values: List[int], peers: List[int] = ...) -> None: ...
 
 class PublishChannel:
     @staticmethod

@@ -49,7 +49,6 @@ next to nothing, and a version every rank has is bound within ``2 * agree_every`
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import math
 import time
 from array import array
@@ -217,61 +216,15 @@ def choose_writer(
     return int(current) if int(current) in allowed else int(device)
 
 
-class _DLTensorHead(ctypes.Structure):
-    """The start of DLPack's ``DLTensor`` (``data``, ``device``, ``ndim``, ``dtype``,
-    ``shape``), as C lays it out on a 64-bit host."""
-
-    _fields_ = [
-        ("data", ctypes.c_void_p),
-        ("device_type", ctypes.c_int32),
-        ("device_id", ctypes.c_int32),
-        ("ndim", ctypes.c_int32),
-        ("code", ctypes.c_uint8),
-        ("bits", ctypes.c_uint8),
-        ("lanes", ctypes.c_uint16),
-        ("shape", ctypes.POINTER(ctypes.c_int64)),
-    ]
-
-
-_DLTENSOR = b"dltensor"
-# Own prototypes: ctypes.pythonapi's shared function objects are left as they are.
-_capsule_is_valid = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.c_char_p)(
-    ("PyCapsule_IsValid", ctypes.pythonapi)
-)
-_capsule_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
-    ("PyCapsule_GetPointer", ctypes.pythonapi)
-)
-
-
-def retarget_capsule(capsule: Any, device_type: int, from_id: int, to_id: int) -> None:
-    """Makes the extension's DLPack capsule of a whole weight set (unconsumed, legacy
-    ``"dltensor"``: one-dimensional ``uint8``) say device ``to_id`` instead of ``from_id``,
-    so ``torch.from_dlpack`` makes the tensor on that device: a set imported on the engine's
-    GPU and mapped for a peer as well (``access=``) is then addressed from the peer, whose
-    copies into it are copies on one device. Only the device id changes; the memory's owner
-    (the capsule's deleter) is the extension's as before. :class:`PublishError` (the capsule
-    untouched) for anything but such a capsule on ``(device_type, from_id)``."""
-    if not _capsule_is_valid(capsule, _DLTENSOR):
-        raise PublishError("not an unconsumed DLPack capsule (\"dltensor\")")
-    head = _DLTensorHead.from_address(_capsule_pointer(capsule, _DLTENSOR))
-    seen = (head.device_type, head.device_id, head.ndim, head.code, head.bits, head.lanes)
-    if seen != (device_type, from_id, 1, 1, 8, 1):
-        raise PublishError(
-            f"unexpected DLPack tensor (device type, device, ndim, dtype code, bits, lanes) = "
-            f"{seen}, expected ({device_type}, {from_id}, 1, 1, 8, 1)"
-        )
-    head.device_id = int(to_id)
-
-
 def _flat_on(torch: Any, imported: Any, device: int) -> Any:
     """A one-dimensional ``uint8`` tensor over the whole of ``imported`` (zero-copy, keeping it
-    alive), on CUDA device ``device``: ``imported``'s own or a peer it is mapped for."""
+    alive), on CUDA device ``device``: ``imported``'s own, or a peer its mapping grants access to
+    (``access=``), which the extension exports it as (``__dlpack__(dl_device=...)``; a
+    ``BufferError`` for any other device)."""
     kind, own = imported.__dlpack_device__()
     if int(device) == int(own):
         return torch.from_dlpack(imported)
-    capsule = imported.__dlpack__()
-    retarget_capsule(capsule, kind, own, device)
-    return torch.from_dlpack(capsule)
+    return torch.from_dlpack(imported.__dlpack__(dl_device=(kind, int(device))))
 
 
 class _GpuSpan:

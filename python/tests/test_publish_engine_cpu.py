@@ -624,29 +624,31 @@ def test_the_writer_is_the_current_device_when_the_sets_are_mapped_for_it():
         choose(1, [1], current=0, writer=0)
 
 
-def _head(capsule):
-    return publish._DLTensorHead.from_address(publish._capsule_pointer(capsule, b"dltensor"))
-
-
-def test_a_capsule_is_retargeted_only_when_it_is_what_the_extension_makes():
+def _capsule_device(capsule):
+    """(device type, device id, ndim) of an unconsumed "dltensor" capsule: read here, in the
+    test, with ctypes (the library itself never looks inside a capsule)."""
     import ctypes
 
-    probe = _native._DlpackProbe([7, 8, 9, 10, 11])
-    capsule = probe.__dlpack__()
-    head = _head(capsule)
-    # The layout read is the extension's: its data, shape and dtype come out right.
-    assert (head.device_type, head.device_id, head.ndim, head.shape[0]) == (1, 0, 1, 5)
-    assert (head.code, head.bits, head.lanes) == (1, 8, 1)
-    assert ctypes.string_at(head.data, 5) == bytes([7, 8, 9, 10, 11])
-    publish.retarget_capsule(capsule, 1, 0, 3)
-    assert head.device_id == 3 and head.device_type == 1 and head.shape[0] == 5
-    assert ctypes.string_at(head.data, 5) == bytes([7, 8, 9, 10, 11])
-    with pytest.raises(publish.PublishError, match="expected"):
-        publish.retarget_capsule(capsule, 1, 0, 4)  # it says device 3 now: untouched
-    assert head.device_id == 3
-    with pytest.raises(publish.PublishError, match="capsule"):
-        publish.retarget_capsule(object(), 1, 0, 3)
-    del capsule, head  # the unconsumed capsule's destructor frees it (the extension's deleter)
+    get = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
+        ("PyCapsule_GetPointer", ctypes.pythonapi)
+    )
+    # DLTensor: void* data; {int32 device_type; int32 device_id}; int32 ndim; ...
+    fields = (ctypes.c_int32 * 3).from_address(get(capsule, b"dltensor") + ctypes.sizeof(ctypes.c_void_p))
+    return tuple(fields)
+
+
+def test_an_export_names_a_peer_device_only_when_its_mapping_grants_it():
+    probe = _native._DlpackProbe([7, 8, 9, 10, 11], peers=[3])
+    assert probe.__dlpack_device__() == (1, 0)
+    assert _capsule_device(probe.__dlpack__()) == (1, 0, 1)
+    assert _capsule_device(probe.__dlpack__(dl_device=(1, 0))) == (1, 0, 1)
+    assert _capsule_device(probe.__dlpack__(dl_device=(1, 3))) == (1, 3, 1)
+    with pytest.raises(BufferError, match="mapped for devices"):
+        probe.__dlpack__(dl_device=(1, 4))  # not granted: no capsule, no copy
+    with pytest.raises(BufferError):
+        probe.__dlpack__(dl_device=(2, 3))  # another device type
+    with pytest.raises(BufferError):
+        _native._DlpackProbe([1]).__dlpack__(dl_device=(1, 3))  # no peers at all
 
 
 class _View:
@@ -716,7 +718,7 @@ class _TrainerTorch:
         if hasattr(source, "__dlpack_device__"):
             device = source.__dlpack_device__()[1]
         else:  # a capsule: the device it says
-            device = _head(source).device_id
+            device = _capsule_device(source)[1]
         self.log.append(("from_dlpack", device))
         return _View(device, self.log)
 
@@ -726,17 +728,17 @@ class _TrainerTorch:
 
 class _ImportedProbe:
     """An imported set as the trainer sees it, over host bytes (the extension's probe), on
-    "device" 0."""
+    "device" 0 and mapped for "devices" 1 to 3 as well."""
 
     def __init__(self, set_id, nbytes):
         self.set_id, self.device = set_id, 0
-        self._probe = _native._DlpackProbe([0] * nbytes)
+        self._probe = _native._DlpackProbe([0] * nbytes, peers=[1, 2, 3])
 
     def __dlpack_device__(self):
         return self._probe.__dlpack_device__()
 
     def __dlpack__(self, **kwargs):
-        return self._probe.__dlpack__()
+        return self._probe.__dlpack__(**kwargs)
 
 
 class _TrainerChannel:
