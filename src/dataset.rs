@@ -97,6 +97,14 @@ enum Residency {
     },
 }
 
+/// A dataset's bytes copied to the host by [`Dataset::save_to_host`], its device memory still
+/// held: half an offload.
+#[derive(Debug)]
+pub(crate) struct Saved {
+    copy: HostCopy,
+    report: TransferReport,
+}
+
 impl Dataset {
     pub(crate) fn new(
         ctx: &Arc<CudaContext>,
@@ -259,50 +267,72 @@ impl Dataset {
         storage: &HostStorage,
         stream: &Arc<CudaStream>,
     ) -> Result<TransferReport> {
-        let (id, bytes) = (self.id, self.bytes);
-        let Residency::Device(home) = &self.residency else {
+        if !self.is_resident() {
             return Ok(TransferReport {
-                dataset: id,
+                dataset: self.id,
                 bytes: 0,
                 elapsed: Default::default(),
                 storage: StorageUsed::Discarded,
             });
+        }
+        // Nothing may still write the memory while it is copied out. A lone offload is the one
+        // place a dataset reaches up into the spaces that bind it (`Binder`); a space's sleep
+        // unbinds its own groups itself and only asks for the copy and the release.
+        let unbound_from = self.unbind_all(None)?;
+        let saved = match self.save_to_host(storage, stream) {
+            Ok(saved) => saved,
+            Err(error) => {
+                // Still on the device with its contents: put it back where it was bound.
+                self.bind_again_in(&unbound_from);
+                return Err(error);
+            }
         };
-        let (home_ptr, home_reservation) = (home.ptr(), home.reservation().clone());
+        let report = self.release_to_host(saved);
+        // An offload is asked for to free device memory ("free memory rises by `bytes`"): what
+        // the release handed to the release queue (issue 43) goes now, with whatever else the
+        // device held for release.
+        crate::driver::deferred::trim(self.ctx.ordinal());
+        Ok(report)
+    }
+
+    /// The first half of an offload: after the dataset's fence, copies its bytes to `storage`
+    /// and returns them, keeping the device memory. The caller must have unbound it everywhere
+    /// first ([`Dataset::unbind_all`], or a space's own sleep). Dropping the result gives the host
+    /// memory back and leaves the dataset as it was; [`Dataset::release_to_host`] finishes the
+    /// offload. `Err(Offloaded)` if it is offloaded.
+    pub(crate) fn save_to_host(
+        &self,
+        storage: &HostStorage,
+        stream: &Arc<CudaStream>,
+    ) -> Result<Saved> {
+        let home_ptr = self.home_ptr()?;
         let mut copy = None;
-        let report = host::timed(id, bytes, "offload", || {
-            // Nothing may still write the memory while it is copied out.
-            let unbound_from = self.unbind_all()?;
-            let saved = self
-                .fence
+        let report = host::timed(self.id, self.bytes, "offload", || {
+            self.fence
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
-                .wait()
-                .and_then(|()| host::copy::save(storage, stream, home_ptr, bytes));
-            let saved = match saved {
-                Ok(saved) => saved,
-                Err(error) => {
-                    // Still on the device with its contents: put it back where it was bound.
-                    self.bind_again_in(&unbound_from);
-                    return Err(error);
-                }
-            };
+                .wait()?;
+            let saved = host::copy::save(storage, stream, home_ptr, self.bytes)?;
             let used = saved.storage();
             copy = Some(saved);
             Ok(used)
         })?;
-        if let Some(copy) = copy {
-            // Dropping the home mapping unmaps and releases the memory (no space maps it now).
-            self.residency = Residency::Host {
-                copy,
-                home: home_reservation,
-            };
-            // An offload is asked for to free device memory ("free memory rises by
-            // `bytes`"): what the drop handed to the release queue (issue 43) goes now, with
-            // whatever else the device held for release.
-            crate::driver::deferred::trim(self.ctx.ordinal());
+        let copy = copy.ok_or(Error::Offload(OffloadError::Offloaded { dataset: self.id }))?;
+        Ok(Saved { copy, report })
+    }
+
+    /// The second half of an offload, which cannot fail: the bytes saved by
+    /// [`Dataset::save_to_host`] become the dataset's, and its home mapping is dropped, which
+    /// unmaps and releases the device memory once no space maps it (the caller unbound it
+    /// everywhere, after the fences, before the save). Returns the save's report.
+    pub(crate) fn release_to_host(&mut self, saved: Saved) -> TransferReport {
+        let Saved { copy, report } = saved;
+        if let Residency::Device(home) = &self.residency {
+            let home = home.reservation().clone();
+            // The home range stays reserved for the restore.
+            self.residency = Residency::Host { copy, home };
         }
-        Ok(report)
+        report
     }
 
     /// Brings an offloaded dataset back into new device memory (no-op if resident), at the same
@@ -364,17 +394,24 @@ impl Dataset {
         Ok(report)
     }
 
-    /// Unbinds this dataset from every space it is bound in (each after its fence); returns
-    /// those it was unbound from. All or nothing: if one unbind fails, the dataset is bound
-    /// again in those it was already taken out of, and the error returned.
-    fn unbind_all(&self) -> Result<Vec<Arc<dyn Binder>>> {
+    /// Unbinds this dataset from every space it is bound in (each after its fence), but
+    /// `except` (a space that unbound it itself); returns those it was unbound from. All or
+    /// nothing: if one unbind fails, the dataset is bound again in those it was already taken
+    /// out of, and the error returned.
+    pub(crate) fn unbind_all(
+        &self,
+        except: Option<&Weak<dyn Binder>>,
+    ) -> Result<Vec<Arc<dyn Binder>>> {
         let binders = self
             .bound_in
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone();
         let mut unbound = Vec::new();
-        for binder in binders.iter().filter_map(Weak::upgrade) {
+        let others = binders
+            .iter()
+            .filter(|b| except.is_none_or(|except| !b.ptr_eq(except)));
+        for binder in others.filter_map(Weak::upgrade) {
             match binder.unbind_dataset(self.id, self.group_index) {
                 Ok(true) => unbound.push(binder),
                 Ok(false) => {}
@@ -388,7 +425,7 @@ impl Dataset {
     }
 
     /// Binds this dataset again in `binders` (undoing [`Dataset::unbind_all`]), logging failures.
-    fn bind_again_in(&self, binders: &[Arc<dyn Binder>]) {
+    pub(crate) fn bind_again_in(&self, binders: &[Arc<dyn Binder>]) {
         for binder in binders {
             if let Err(rebind) = binder.bind_again(self) {
                 tracing::error!(%rebind, dataset = self.id, "could not bind a dataset back after a failed offload");

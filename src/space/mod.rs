@@ -7,13 +7,15 @@
 //! ```
 //!
 //! [`bind`](self::bind) is the one place that maps and unmaps datasets under a space, and it
-//! always waits on the space's [`Fence`] before unmapping. Sleep and wake of a space live with
-//! offloading (`crate::sleep`); graphs see a space only through [`SpaceShared::attach`] and
-//! [`SpaceShared::lock_replayable`].
+//! always waits on the space's [`Fence`] before unmapping. [`sleep`](self::sleep) puts a space
+//! to sleep straight down: it unbinds its own groups, then asks each dataset only to copy its
+//! bytes out and release its memory. Graphs see a space only through [`SpaceShared::attach`]
+//! and [`SpaceShared::lock_replayable`].
 
 mod backing;
 mod bind;
 pub(crate) mod listeners;
+mod sleep;
 mod slot;
 
 use std::collections::HashMap;
@@ -471,20 +473,6 @@ impl SpaceShared {
         }
         state.fence.attach(stream);
         Ok(ReplayLock { _state: state })
-    }
-
-    /// The dataset bound under each group (in group order).
-    pub(crate) fn bound_datasets(&self) -> Vec<Option<u64>> {
-        self.lock().backings.iter().map(Backing::dataset).collect()
-    }
-
-    /// Releases the scratch memory after the fence and remembers `bound` until the wake.
-    pub(crate) fn enter_sleep(&self, bound: Vec<Option<u64>>) -> Result<()> {
-        let mut state = self.lock();
-        state.fence.wait()?;
-        state.scratch = None; // unmaps and releases
-        state.sleeping = Some(bound);
-        Ok(())
     }
 
     /// While asleep: what each group had bound when the space went to sleep.
