@@ -11,19 +11,23 @@
 //! **Dropping a bound dataset unbinds it** from every space it is bound in (waiting on each
 //! space's fence first), and then releases its memory. Those spaces' replays then fail with
 //! [`GraphError::Unbound`](crate::error::GraphError::Unbound) until another dataset is bound.
+//!
+//! The bytes' life (create, offload, restore, drop) is [`DatasetCore`], generic over the
+//! driver ([`Backend`]) so that it runs against the fake driver in tests; [`Dataset`] is it on
+//! the real driver, with what only the real one has (views, export, the refill callback).
 
 use std::sync::{Arc, Mutex, Weak};
 
 use cudarc::driver::{CudaContext, CudaStream};
 
-use crate::driver;
-use crate::driver::vmm::{Location, Mapping, Physical, Reservation};
+use crate::driver::vmm::{Location, Physical};
 use crate::error::{DriverError, Error, LayoutError, OffloadError, Result};
-use crate::fence::{Fence, FencePolicy};
-use crate::host::{self, HostCopy, HostStorage, StorageUsed, TransferReport};
+use crate::fence::FencePolicy;
+use crate::host::{self, HostStorage, StorageUsed, TransferReport};
 use crate::ids::next_id;
 use crate::layout::{Layout, Placement, Role};
 use crate::view::{self, SlotView};
+use crate::vmm_core::{Backend, MappedRange, Vmm, Waiter};
 
 /// One slot of a dataset, at an offset from the dataset's start.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -43,35 +47,51 @@ pub struct DatasetSlot {
 /// Physical memory for one group of a layout. See the module docs.
 #[derive(Debug)]
 pub struct Dataset {
+    pub(crate) core: DatasetCore<Vmm>,
+    tag: Option<String>,
+    refill: Option<RefillFn>,
+}
+
+/// A dataset on backend `B`: its identity, its shape, where its bytes are, and the spaces it is
+/// bound in.
+#[derive(Debug)]
+pub(crate) struct DatasetCore<B: Backend> {
     id: u64,
-    ctx: Arc<CudaContext>,
+    backend: B,
     layout_fingerprint: u64,
     group: String,
     group_index: usize,
     slots: Vec<DatasetSlot>,
-    fence: Mutex<Fence>,
+    fence: Mutex<B::Fence>,
     /// The spaces (or anything else) this dataset is bound in.
-    bound_in: Mutex<Vec<Weak<dyn Binder>>>,
-    access: Vec<usize>,
+    bound_in: Mutex<Vec<Weak<dyn Binder<B>>>>,
     bytes: usize,
     shareable: bool,
     /// Where the memory lives (also after a restore).
     location: Location,
-    tag: Option<String>,
-    refill: Option<RefillFn>,
     /// Where the bytes are: mapped at the dataset's own address (owning the physical memory),
     /// or on the host after an offload.
-    residency: Residency,
+    residency: Residency<B>,
 }
 
 /// Something a dataset can be bound in (a space). The binding layer implements it, so a dataset
 /// takes itself out of every binder before its memory goes without knowing what a space is.
-pub(crate) trait Binder: Send + Sync {
+/// Only a lone offload and a drop reach up through it; a space's sleep unbinds its own groups.
+pub(crate) trait Binder<B: Backend>: Send + Sync {
     /// Unbinds dataset `dataset` (of group index `group`) if it is bound here, after the
     /// binder's fence; returns whether it was.
     fn unbind_dataset(&self, dataset: u64, group: usize) -> Result<bool>;
     /// Binds `dataset` again (undoing an unbind when an offload fails).
-    fn bind_again(&self, dataset: &Dataset) -> Result<()>;
+    fn bind_again(&self, dataset: &DatasetCore<B>) -> Result<()>;
+}
+
+/// What a space's sleep and wake need of a dataset, on the real driver ([`Dataset`], whose
+/// restore also refills) or any ([`DatasetCore`]).
+pub(crate) trait DatasetOf<B: Backend> {
+    fn core(&self) -> &DatasetCore<B>;
+    fn core_mut(&mut self) -> &mut DatasetCore<B>;
+    /// [`DatasetCore::restore`], and whatever else a restore does for this kind of dataset.
+    fn restore_on(&mut self, stream: &B::Stream) -> Result<TransferReport>;
 }
 
 /// Regenerates a discarded dataset's contents on restore (say, reloads weights from disk).
@@ -86,52 +106,66 @@ impl std::fmt::Debug for RefillFn {
     }
 }
 
+/// Where a dataset's bytes are.
 #[derive(Debug)]
-enum Residency {
-    Device(Mapping),
+enum Residency<B: Backend> {
+    // Field order is drop order: unmapped, then released, then the addresses freed.
+    Device {
+        home: B::Mapping,
+        memory: Arc<B::Memory>,
+        reservation: B::Reservation,
+    },
     /// Offloaded. The home address range stays reserved, so a restore maps the new memory at the
     /// same home address without reserving (and later freeing) addresses again.
     Host {
-        copy: HostCopy,
-        home: Arc<Reservation>,
+        copy: B::HostCopy,
+        home: B::Reservation,
     },
 }
 
-/// A dataset's bytes copied to the host by [`Dataset::save_to_host`], its device memory still
-/// held: half an offload.
+/// A dataset's bytes copied to the host by [`DatasetCore::save_to_host`], its device memory
+/// still held: half an offload.
 #[derive(Debug)]
-pub(crate) struct Saved {
-    copy: HostCopy,
+pub(crate) struct Saved<B: Backend> {
+    copy: B::HostCopy,
     report: TransferReport,
 }
 
-impl Dataset {
+impl<B: Backend> DatasetCore<B> {
+    /// Fresh memory at `at` for group `group_index` of `placement`, mapped at a home address.
     pub(crate) fn new(
-        ctx: &Arc<CudaContext>,
-        layout: &Layout,
+        backend: B,
+        layout_fingerprint: u64,
         placement: &Placement,
         group_index: usize,
-        access: &[usize],
         shareable: bool,
         at: Location,
     ) -> Result<Self> {
-        let physical = Physical::owned_at(ctx, placement.groups[group_index].bytes, shareable, at)?;
-        Self::from_physical(ctx, layout, placement, group_index, access, physical)
+        let bytes = placement.groups[group_index].bytes;
+        let memory = Arc::new(backend.create_at(bytes, shareable, at)?);
+        Self::from_memory(
+            backend,
+            layout_fingerprint,
+            placement,
+            group_index,
+            memory,
+            shareable,
+            at,
+        )
     }
 
-    /// A dataset over existing physical memory of the group's size (fresh, or imported from
-    /// another process).
-    pub(crate) fn from_physical(
-        ctx: &Arc<CudaContext>,
-        layout: &Layout,
+    /// A dataset over existing memory of the group's size (fresh, or imported).
+    pub(crate) fn from_memory(
+        backend: B,
+        layout_fingerprint: u64,
         placement: &Placement,
         group_index: usize,
-        access: &[usize],
-        physical: Physical,
+        memory: Arc<B::Memory>,
+        shareable: bool,
+        location: Location,
     ) -> Result<Self> {
         let region = &placement.groups[group_index];
-        let (shareable, location) = (physical.shareable(), physical.location());
-        let home = Mapping::alone(ctx, &Arc::new(physical), access)?;
+        let (reservation, home) = backend.map_alone(&memory)?;
         let slots = region
             .slots
             .iter()
@@ -150,122 +184,84 @@ impl Dataset {
         tracing::debug!(dataset = id, group = %region.name, bytes = region.bytes, "dataset created");
         Ok(Self {
             id,
-            ctx: ctx.clone(),
-            layout_fingerprint: layout.fingerprint(),
+            fence: Mutex::new(backend.fence(FencePolicy::Context)),
+            backend,
+            layout_fingerprint,
             group: region.name.clone(),
             group_index,
             slots,
-            fence: Mutex::new(Fence::new(ctx, FencePolicy::Context)),
             bound_in: Mutex::new(Vec::new()),
-            access: access.to_vec(),
             bytes: region.bytes,
             shareable,
             location,
-            tag: None,
-            refill: None,
-            residency: Residency::Device(home),
+            residency: Residency::Device {
+                home,
+                memory,
+                reservation,
+            },
         })
     }
 
-    /// Unique for the life of the process.
-    pub fn id(&self) -> u64 {
+    pub(crate) fn id(&self) -> u64 {
         self.id
     }
 
-    /// The group this dataset backs.
-    pub fn group(&self) -> &str {
+    pub(crate) fn group(&self) -> &str {
         &self.group
-    }
-
-    /// Bytes of physical memory (the group's size, rounded to the granularity).
-    pub fn bytes(&self) -> usize {
-        self.bytes
-    }
-
-    /// Fingerprint of the layout it was made for.
-    pub fn layout_fingerprint(&self) -> u64 {
-        self.layout_fingerprint
-    }
-
-    /// The group's slots, in layout order, with their offsets inside this dataset: slot `s`
-    /// is at [`home_ptr`](Self::home_ptr)` + s.offset` here, and at the space's slot address
-    /// when bound.
-    pub fn slots(&self) -> &[DatasetSlot] {
-        &self.slots
-    }
-
-    /// The CUDA context (device) whose memory this is; it binds only into spaces of the same
-    /// device.
-    pub fn context(&self) -> &Arc<CudaContext> {
-        &self.ctx
     }
 
     pub(crate) fn group_index(&self) -> usize {
         self.group_index
     }
 
-    /// The dataset's private address (its home mapping); `Err(Offloaded)` while offloaded.
-    pub fn home_ptr(&self) -> Result<u64> {
-        Ok(self.home()?.ptr())
+    pub(crate) fn bytes(&self) -> usize {
+        self.bytes
     }
 
-    fn home(&self) -> Result<&Mapping> {
+    pub(crate) fn layout_fingerprint(&self) -> u64 {
+        self.layout_fingerprint
+    }
+
+    /// The device whose memory this is.
+    pub(crate) fn device(&self) -> usize {
+        self.backend.device()
+    }
+
+    pub(crate) fn is_resident(&self) -> bool {
+        matches!(self.residency, Residency::Device { .. })
+    }
+
+    /// The home address; `Err(Offloaded)` while offloaded.
+    pub(crate) fn home_ptr(&self) -> Result<u64> {
         match &self.residency {
-            Residency::Device(home) => Ok(home),
-            Residency::Host { .. } => {
-                Err(Error::Offload(OffloadError::Offloaded { dataset: self.id }))
-            }
+            Residency::Device { home, .. } => Ok(home.ptr()),
+            Residency::Host { .. } => Err(self.offloaded()),
         }
     }
 
-    /// A new file descriptor for this dataset's memory, owned by the caller (closed on drop), for
-    /// passing to another process. The dataset must come from a space with
-    /// [`SpaceOptions::shareable`](crate::SpaceOptions::shareable);
-    /// [`send_dataset`](crate::share::send_dataset) does this and sends it.
-    pub fn export(&self) -> Result<std::os::fd::OwnedFd> {
-        self.physical()?.export()
+    /// The device memory; `Err(Offloaded)` while offloaded.
+    pub(crate) fn memory(&self) -> Result<&Arc<B::Memory>> {
+        match &self.residency {
+            Residency::Device { memory, .. } => Ok(memory),
+            Residency::Host { .. } => Err(self.offloaded()),
+        }
     }
 
-    /// Where the memory lives while resident (the space's device, a peer, or pinned host).
-    pub fn location(&self) -> Location {
-        self.location
+    fn offloaded(&self) -> Error {
+        Error::Offload(OffloadError::Offloaded { dataset: self.id })
     }
 
-    /// Whether the bytes are in device memory (not offloaded).
-    pub fn is_resident(&self) -> bool {
-        matches!(self.residency, Residency::Device(_))
+    /// Records that `stream` may use the dataset's memory (its fence waits for it).
+    pub(crate) fn attach(&self, stream: &B::Stream) {
+        let mut fence = self.fence.lock().unwrap_or_else(|p| p.into_inner());
+        self.backend.attach(&mut fence, stream);
     }
 
-    /// A label for group operations ([`offload_tagged`](crate::sleep::offload_tagged)).
-    pub fn set_tag(&mut self, tag: impl Into<String>) {
-        self.tag = Some(tag.into());
-    }
-
-    /// The label set by [`set_tag`](Self::set_tag), if any.
-    pub fn tag(&self) -> Option<&str> {
-        self.tag.as_deref()
-    }
-
-    /// What restore runs after an offload with [`HostStorage::Discard`] (instead of leaving the
-    /// memory uninitialised).
-    pub fn set_refill(
-        &mut self,
-        refill: impl FnMut(&Dataset, &Arc<CudaStream>) -> Result<()> + Send + Sync + 'static,
-    ) {
-        self.refill = Some(RefillFn(Box::new(refill)));
-    }
-
-    /// Moves the contents to `storage` and releases the device memory (device free memory rises
-    /// by [`Dataset::bytes`]). The dataset keeps its identity: after [`Dataset::restore`] and a
-    /// bind, graphs captured over its slots replay on the same contents.
-    ///
-    /// A bound dataset is unbound first, from every space, after the GPU is done with it. If host
-    /// memory cannot be had (or the copy fails), the dataset stays on the device with its
-    /// contents and is bound again where it was. Offloading an offloaded dataset is a no-op.
-    pub fn offload(
+    /// See [`Dataset::offload`].
+    pub(crate) fn offload(
         &mut self,
         storage: &HostStorage,
-        stream: &Arc<CudaStream>,
+        stream: &B::Stream,
     ) -> Result<TransferReport> {
         if !self.is_resident() {
             return Ok(TransferReport {
@@ -291,20 +287,20 @@ impl Dataset {
         // An offload is asked for to free device memory ("free memory rises by `bytes`"): what
         // the release handed to the release queue (issue 43) goes now, with whatever else the
         // device held for release.
-        crate::driver::deferred::trim(self.ctx.ordinal());
+        self.backend.release_held();
         Ok(report)
     }
 
     /// The first half of an offload: after the dataset's fence, copies its bytes to `storage`
     /// and returns them, keeping the device memory. The caller must have unbound it everywhere
-    /// first ([`Dataset::unbind_all`], or a space's own sleep). Dropping the result gives the host
-    /// memory back and leaves the dataset as it was; [`Dataset::release_to_host`] finishes the
-    /// offload. `Err(Offloaded)` if it is offloaded.
+    /// first ([`DatasetCore::unbind_all`], or a space's own sleep). Dropping the result gives
+    /// the host memory back and leaves the dataset as it was;
+    /// [`DatasetCore::release_to_host`] finishes the offload. `Err(Offloaded)` if offloaded.
     pub(crate) fn save_to_host(
         &self,
         storage: &HostStorage,
-        stream: &Arc<CudaStream>,
-    ) -> Result<Saved> {
+        stream: &B::Stream,
+    ) -> Result<Saved<B>> {
         let home_ptr = self.home_ptr()?;
         let mut copy = None;
         let report = host::timed(self.id, self.bytes, "offload", || {
@@ -312,38 +308,32 @@ impl Dataset {
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .wait()?;
-            let saved = host::copy::save(storage, stream, home_ptr, self.bytes)?;
-            let used = saved.storage();
+            let pieces = host::copy::back_to_back(&[(home_ptr, self.bytes)]);
+            let saved = self.backend.save(storage, stream, &pieces)?;
+            let used = B::storage_used(&saved);
             copy = Some(saved);
             Ok(used)
         })?;
-        let copy = copy.ok_or(Error::Offload(OffloadError::Offloaded { dataset: self.id }))?;
+        let copy = copy.ok_or_else(|| self.offloaded())?;
         Ok(Saved { copy, report })
     }
 
     /// The second half of an offload, which cannot fail: the bytes saved by
-    /// [`Dataset::save_to_host`] become the dataset's, and its home mapping is dropped, which
-    /// unmaps and releases the device memory once no space maps it (the caller unbound it
-    /// everywhere, after the fences, before the save). Returns the save's report.
-    pub(crate) fn release_to_host(&mut self, saved: Saved) -> TransferReport {
+    /// [`DatasetCore::save_to_host`] become the dataset's, and its home mapping is dropped,
+    /// which unmaps and releases the device memory once no space maps it (the caller unbound
+    /// it everywhere, after the fences, before the save). Returns the save's report.
+    pub(crate) fn release_to_host(&mut self, saved: Saved<B>) -> TransferReport {
         let Saved { copy, report } = saved;
-        if let Residency::Device(home) = &self.residency {
-            let home = home.reservation().clone();
+        if let Residency::Device { reservation, .. } = &self.residency {
             // The home range stays reserved for the restore.
+            let home = reservation.clone();
             self.residency = Residency::Host { copy, home };
         }
         report
     }
 
-    /// Brings an offloaded dataset back into new device memory (no-op if resident), at the same
-    /// home address it had before the offload ([`Dataset::home_ptr`]). Bind it again to put it
-    /// under a space's slots.
-    ///
-    /// On out-of-memory returns
-    /// [`OffloadError::RestoreOutOfMemory`](crate::error::OffloadError::RestoreOutOfMemory) with
-    /// what was asked and what is
-    /// free; the host copy is kept, and a retry after memory is freed succeeds.
-    pub fn restore(&mut self, stream: &Arc<CudaStream>) -> Result<TransferReport> {
+    /// See [`Dataset::restore`] (without the refill).
+    pub(crate) fn restore(&mut self, stream: &B::Stream) -> Result<TransferReport> {
         let (id, bytes) = (self.id, self.bytes);
         let Residency::Host {
             copy,
@@ -357,39 +347,41 @@ impl Dataset {
                 storage: StorageUsed::Arena,
             });
         };
-        let mut home = None;
+        let mut restored = None;
         let report = host::timed(id, bytes, "restore", || {
             // Same home address as before the offload: only create and map.
-            let mapped = match Physical::owned_at(&self.ctx, bytes, self.shareable, self.location)
-                .and_then(|physical| {
-                    Mapping::new(reservation, 0, &Arc::new(physical), 0, bytes, &self.access)
-                }) {
+            let mapped = self
+                .backend
+                .create_at(bytes, self.shareable, self.location)
+                .map(Arc::new)
+                .and_then(|memory| {
+                    let home = self.backend.map(reservation, 0, &memory, bytes)?;
+                    Ok((home, memory))
+                });
+            let (home, memory) = match mapped {
                 Err(Error::Driver(DriverError::OutOfMemory { .. })) => {
-                    let free = driver::memory_info(&self.ctx)
-                        .map(|(free, _)| free)
-                        .unwrap_or(0);
                     return Err(Error::Offload(OffloadError::RestoreOutOfMemory {
                         dataset: id,
                         asked: bytes,
-                        free,
+                        free: self.backend.free_memory(),
                     }));
                 }
                 other => other?,
             };
-            host::copy::load(copy, stream, mapped.ptr(), bytes)?;
-            let used = copy.storage();
-            home = Some(mapped);
-            Ok(used)
+            let pieces = host::copy::back_to_back(&[(home.ptr(), bytes)]);
+            // On an error `home` drops: unmapped (the load waited for its copies) and released.
+            self.backend.load(copy, stream, &pieces)?;
+            restored = Some((home, memory));
+            Ok(B::storage_used(copy))
         })?;
-        if let Some(home) = home {
-            self.residency = Residency::Device(home); // drops the host copy
-        }
-        if report.storage == StorageUsed::Discarded {
-            if let Some(mut refill) = self.refill.take() {
-                let refilled = (refill.0)(self, stream);
-                self.refill = Some(refill);
-                refilled?;
-            }
+        if let Some((home, memory)) = restored {
+            let reservation = reservation.clone();
+            // Drops the host copy.
+            self.residency = Residency::Device {
+                home,
+                memory,
+                reservation,
+            };
         }
         Ok(report)
     }
@@ -400,8 +392,8 @@ impl Dataset {
     /// out of, and the error returned.
     pub(crate) fn unbind_all(
         &self,
-        except: Option<&Weak<dyn Binder>>,
-    ) -> Result<Vec<Arc<dyn Binder>>> {
+        except: Option<&Weak<dyn Binder<B>>>,
+    ) -> Result<Vec<Arc<dyn Binder<B>>>> {
         let binders = self
             .bound_in
             .lock()
@@ -424,8 +416,9 @@ impl Dataset {
         Ok(unbound)
     }
 
-    /// Binds this dataset again in `binders` (undoing [`Dataset::unbind_all`]), logging failures.
-    pub(crate) fn bind_again_in(&self, binders: &[Arc<dyn Binder>]) {
+    /// Binds this dataset again in `binders` (undoing [`DatasetCore::unbind_all`]), logging
+    /// failures.
+    pub(crate) fn bind_again_in(&self, binders: &[Arc<dyn Binder<B>>]) {
         for binder in binders {
             if let Err(rebind) = binder.bind_again(self) {
                 tracing::error!(%rebind, dataset = self.id, "could not bind a dataset back after a failed offload");
@@ -459,13 +452,9 @@ impl Dataset {
         runs
     }
 
-    pub(crate) fn physical(&self) -> Result<&Arc<Physical>> {
-        Ok(self.home()?.physical())
-    }
-
     /// Remembers that the dataset is bound in `binder`, so dropping or offloading it unbinds it
     /// there first.
-    pub(crate) fn note_bound_in(&self, binder: Weak<dyn Binder>) {
+    pub(crate) fn note_bound_in(&self, binder: Weak<dyn Binder<B>>) {
         let mut binders = self.bound_in.lock().unwrap_or_else(|p| p.into_inner());
         binders.retain(|b| b.strong_count() > 0);
         if !binders.iter().any(|b| b.ptr_eq(&binder)) {
@@ -479,17 +468,205 @@ impl Dataset {
             .find(|s| s.name == name)
             .ok_or_else(|| Error::Layout(LayoutError::UnknownSlot { slot: name.into() }))
     }
+}
+
+impl<B: Backend> DatasetOf<B> for DatasetCore<B> {
+    fn core(&self) -> &DatasetCore<B> {
+        self
+    }
+
+    fn core_mut(&mut self) -> &mut DatasetCore<B> {
+        self
+    }
+
+    fn restore_on(&mut self, stream: &B::Stream) -> Result<TransferReport> {
+        self.restore(stream)
+    }
+}
+
+impl DatasetOf<Vmm> for Dataset {
+    fn core(&self) -> &DatasetCore<Vmm> {
+        &self.core
+    }
+
+    fn core_mut(&mut self) -> &mut DatasetCore<Vmm> {
+        &mut self.core
+    }
+
+    fn restore_on(&mut self, stream: &Arc<CudaStream>) -> Result<TransferReport> {
+        self.restore(stream)
+    }
+}
+
+impl Dataset {
+    pub(crate) fn new(
+        ctx: &Arc<CudaContext>,
+        layout: &Layout,
+        placement: &Placement,
+        group_index: usize,
+        access: &[usize],
+        shareable: bool,
+        at: Location,
+    ) -> Result<Self> {
+        let core = DatasetCore::new(
+            Vmm::with_access(ctx, access),
+            layout.fingerprint(),
+            placement,
+            group_index,
+            shareable,
+            at,
+        )?;
+        Ok(Self::from_core(core))
+    }
+
+    /// A dataset over existing physical memory of the group's size (fresh, or imported from
+    /// another process).
+    pub(crate) fn from_physical(
+        ctx: &Arc<CudaContext>,
+        layout: &Layout,
+        placement: &Placement,
+        group_index: usize,
+        access: &[usize],
+        physical: Physical,
+    ) -> Result<Self> {
+        let (shareable, location) = (physical.shareable(), physical.location());
+        let core = DatasetCore::from_memory(
+            Vmm::with_access(ctx, access),
+            layout.fingerprint(),
+            placement,
+            group_index,
+            Arc::new(physical),
+            shareable,
+            location,
+        )?;
+        Ok(Self::from_core(core))
+    }
+
+    fn from_core(core: DatasetCore<Vmm>) -> Self {
+        Self {
+            core,
+            tag: None,
+            refill: None,
+        }
+    }
+
+    /// Unique for the life of the process.
+    pub fn id(&self) -> u64 {
+        self.core.id
+    }
+
+    /// The group this dataset backs.
+    pub fn group(&self) -> &str {
+        &self.core.group
+    }
+
+    /// Bytes of physical memory (the group's size, rounded to the granularity).
+    pub fn bytes(&self) -> usize {
+        self.core.bytes
+    }
+
+    /// Fingerprint of the layout it was made for.
+    pub fn layout_fingerprint(&self) -> u64 {
+        self.core.layout_fingerprint
+    }
+
+    /// The group's slots, in layout order, with their offsets inside this dataset: slot `s`
+    /// is at [`home_ptr`](Self::home_ptr)` + s.offset` here, and at the space's slot address
+    /// when bound.
+    pub fn slots(&self) -> &[DatasetSlot] {
+        &self.core.slots
+    }
+
+    /// The CUDA context (device) whose memory this is; it binds only into spaces of the same
+    /// device.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        self.core.backend.context()
+    }
+
+    /// The dataset's private address (its home mapping); `Err(Offloaded)` while offloaded.
+    pub fn home_ptr(&self) -> Result<u64> {
+        self.core.home_ptr()
+    }
+
+    /// A new file descriptor for this dataset's memory, owned by the caller (closed on drop), for
+    /// passing to another process. The dataset must come from a space with
+    /// [`SpaceOptions::shareable`](crate::SpaceOptions::shareable);
+    /// [`send_dataset`](crate::share::send_dataset) does this and sends it.
+    pub fn export(&self) -> Result<std::os::fd::OwnedFd> {
+        self.core.memory()?.export()
+    }
+
+    /// Where the memory lives while resident (the space's device, a peer, or pinned host).
+    pub fn location(&self) -> Location {
+        self.core.location
+    }
+
+    /// Whether the bytes are in device memory (not offloaded).
+    pub fn is_resident(&self) -> bool {
+        self.core.is_resident()
+    }
+
+    /// A label for group operations ([`offload_tagged`](crate::sleep::offload_tagged)).
+    pub fn set_tag(&mut self, tag: impl Into<String>) {
+        self.tag = Some(tag.into());
+    }
+
+    /// The label set by [`set_tag`](Self::set_tag), if any.
+    pub fn tag(&self) -> Option<&str> {
+        self.tag.as_deref()
+    }
+
+    /// What restore runs after an offload with [`HostStorage::Discard`] (instead of leaving the
+    /// memory uninitialised).
+    pub fn set_refill(
+        &mut self,
+        refill: impl FnMut(&Dataset, &Arc<CudaStream>) -> Result<()> + Send + Sync + 'static,
+    ) {
+        self.refill = Some(RefillFn(Box::new(refill)));
+    }
+
+    /// Moves the contents to `storage` and releases the device memory (device free memory rises
+    /// by [`Dataset::bytes`]). The dataset keeps its identity: after [`Dataset::restore`] and a
+    /// bind, graphs captured over its slots replay on the same contents.
+    ///
+    /// A bound dataset is unbound first, from every space, after the GPU is done with it. If host
+    /// memory cannot be had (or the copy fails), the dataset stays on the device with its
+    /// contents and is bound again where it was. Offloading an offloaded dataset is a no-op.
+    pub fn offload(
+        &mut self,
+        storage: &HostStorage,
+        stream: &Arc<CudaStream>,
+    ) -> Result<TransferReport> {
+        self.core.offload(storage, stream)
+    }
+
+    /// Brings an offloaded dataset back into new device memory (no-op if resident), at the same
+    /// home address it had before the offload ([`Dataset::home_ptr`]). Bind it again to put it
+    /// under a space's slots.
+    ///
+    /// On out-of-memory returns
+    /// [`OffloadError::RestoreOutOfMemory`](crate::error::OffloadError::RestoreOutOfMemory) with
+    /// what was asked and what is
+    /// free; the host copy is kept, and a retry after memory is freed succeeds.
+    pub fn restore(&mut self, stream: &Arc<CudaStream>) -> Result<TransferReport> {
+        let report = self.core.restore(stream)?;
+        if report.storage == StorageUsed::Discarded {
+            if let Some(mut refill) = self.refill.take() {
+                let refilled = (refill.0)(self, stream);
+                self.refill = Some(refill);
+                refilled?;
+            }
+        }
+        Ok(report)
+    }
 
     /// A typed view of slot `name` at the dataset's home address (not the space's), to fill or
     /// read the dataset with cudarc copies or kernels whether or not it is bound.
     pub fn view<T>(&self, name: &str, stream: &Arc<CudaStream>) -> Result<SlotView<'_, T>> {
-        let slot = self.slot(name)?;
-        self.fence
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .attach(stream);
+        let slot = self.core.slot(name)?;
+        self.core.attach(stream);
         SlotView::new(
-            self.home()?.ptr() + slot.offset as u64,
+            self.core.home_ptr()? + slot.offset as u64,
             &slot.name,
             slot.bytes,
             stream,
@@ -497,7 +674,7 @@ impl Dataset {
     }
 
     fn slot_bytes(&self, name: &str) -> Result<usize> {
-        Ok(self.slot(name)?.bytes)
+        Ok(self.core.slot(name)?.bytes)
     }
 
     view::slot_copies!(
@@ -505,7 +682,7 @@ impl Dataset {
     );
 }
 
-impl Drop for Dataset {
+impl<B: Backend> Drop for DatasetCore<B> {
     fn drop(&mut self) {
         let binders = std::mem::take(self.bound_in.get_mut().unwrap_or_else(|p| p.into_inner()));
         for binder in binders.iter().filter_map(Weak::upgrade) {
@@ -518,7 +695,7 @@ impl Drop for Dataset {
         let fence = self.fence.get_mut().unwrap_or_else(|p| p.into_inner());
         if let Err(error) = fence.wait() {
             tracing::error!(%error, dataset = self.id, "waiting for the GPU before freeing a dataset failed; leaking it");
-            if let Residency::Device(home) = &mut self.residency {
+            if let Residency::Device { home, .. } = &mut self.residency {
                 home.leak_on_drop();
             }
         }

@@ -527,10 +527,6 @@ impl Mapping {
         self.ptr
     }
 
-    pub(crate) fn physical(&self) -> &Arc<Physical> {
-        &self.physical
-    }
-
     /// Never unmap this range: used when waiting for the GPU failed and the range may still be
     /// in use. Leaking is the only choice that cannot corrupt memory or fault.
     pub(crate) fn leak_on_drop(&mut self) {

@@ -128,17 +128,6 @@ fn settle<T>(stream: &CudaStream, outcome: Result<T>) -> Result<T> {
     outcome
 }
 
-/// Copies `bytes` at `device` into new host storage; returns once the copy is complete. Host
-/// memory is acquired before anything is copied, so a refusal changes nothing.
-pub(crate) fn save(
-    storage: &HostStorage,
-    stream: &Arc<CudaStream>,
-    device: sys::CUdeviceptr,
-    bytes: usize,
-) -> Result<HostCopy> {
-    save_pieces(storage, stream, &back_to_back(&[(device, bytes)]))
-}
-
 /// Copies every piece into one new host copy (piece `i` at its `host_offset`, which must lay
 /// the pieces back to back from 0): one batch of asynchronous copies and one wait. Host memory
 /// is acquired before anything is copied, so a refusal changes nothing.
@@ -249,16 +238,6 @@ fn save_chunks(
         drain(chunks.len() - 1, &mut done, data)?;
     }
     Ok(())
-}
-
-/// Copies `copy` back to `device`; returns once the copy is complete.
-pub(crate) fn load(
-    copy: &HostCopy,
-    stream: &Arc<CudaStream>,
-    device: sys::CUdeviceptr,
-    bytes: usize,
-) -> Result<()> {
-    load_pieces(copy, stream, &back_to_back(&[(device, bytes)]))
 }
 
 /// Copies the bytes at each piece's `host_offset` of `copy` to its device range; one batch of

@@ -10,22 +10,19 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use cudarc::driver::CudaStream;
-
-use super::backing::{Backing, Binding};
+use super::backing::{Backing, Binding, Mapped};
 use super::{SpaceShared, SpaceState};
-use crate::dataset::{Binder, Dataset};
-use crate::driver;
-use crate::driver::vmm::{Mapping, Physical};
+use crate::dataset::{Binder, DatasetCore};
 use crate::error::{DriverError, Error, GraphError, LayoutError, Result};
+use crate::vmm_core::{Backend, Waiter};
 
-impl SpaceShared {
+impl<B: Backend> SpaceShared<B> {
     /// The index of `dataset`'s group here, or why it cannot bind into this space.
-    pub(super) fn check_compatible(&self, dataset: &Dataset) -> Result<usize> {
-        if dataset.context().ordinal() != self.ctx.ordinal() {
+    pub(super) fn check_compatible(&self, dataset: &DatasetCore<B>) -> Result<usize> {
+        if dataset.device() != self.backend.device() {
             return Err(Error::Driver(DriverError::ContextMismatch {
-                expected: self.ctx.ordinal(),
-                found: dataset.context().ordinal(),
+                expected: self.backend.device(),
+                found: dataset.device(),
             }));
         }
         let index = dataset.group_index();
@@ -45,11 +42,29 @@ impl SpaceShared {
         Ok(index)
     }
 
+    /// Binds `dataset` and records the binding with it, so that dropping or offloading it
+    /// unbinds it here first.
+    pub(crate) fn bind_noted(
+        self: &Arc<Self>,
+        dataset: &DatasetCore<B>,
+        stream: Option<&B::Stream>,
+    ) -> Result<()> {
+        self.bind(dataset, stream)?;
+        dataset.note_bound_in(self.binder());
+        Ok(())
+    }
+
+    /// This space as a dataset's [`Binder`].
+    pub(super) fn binder(self: &Arc<Self>) -> std::sync::Weak<dyn Binder<B>> {
+        let shared: Arc<dyn Binder<B>> = self.clone();
+        Arc::downgrade(&shared)
+    }
+
     /// See `Space::bind` and `Space::bind_on`.
-    pub(super) fn bind(&self, dataset: &Dataset, stream: Option<&Arc<CudaStream>>) -> Result<()> {
+    pub(super) fn bind(&self, dataset: &DatasetCore<B>, stream: Option<&B::Stream>) -> Result<()> {
         let index = self.check_compatible(dataset)?;
         // An offloaded dataset is refused here, before anything changes.
-        let (physical, home_ptr) = (dataset.physical()?.clone(), dataset.home_ptr()?);
+        let (memory, home_ptr) = (dataset.memory()?.clone(), dataset.home_ptr()?);
         let region = &self.placement.groups[index];
         let mut state = self.lock();
         if state.backings[index].dataset() == Some(dataset.id()) {
@@ -65,37 +80,33 @@ impl SpaceShared {
                 let previous = slot.take();
                 let restore = previous
                     .as_ref()
-                    .map(|b| (b.dataset_id, b.mapping.physical().clone()));
+                    .map(|b| (b.dataset_id, b.mapped.memory.clone()));
                 state.bound.set(index, false);
                 drop(previous); // unmaps: the fence above has drained every use
-                let map = |physical: &Arc<Physical>| {
-                    Mapping::new(
+                let map = |memory: Arc<B::Memory>| -> Result<Mapped<B>> {
+                    let mapping = self.backend.map(
                         &self.reservation,
                         region.offset,
-                        physical,
-                        0,
+                        &memory,
                         region.bytes,
-                        &self.access,
-                    )
+                    )?;
+                    Ok(Mapped { mapping, memory })
                 };
-                match map(&physical) {
-                    Ok(mapping) => {
+                match map(memory) {
+                    Ok(mapped) => {
                         *slot = Some(Binding {
                             dataset_id: dataset.id(),
-                            mapping,
+                            mapped,
                         });
                         // Under the lock: no replay can use the group before its listeners
                         // (e.g. NCCL registrations) caught up with the new pages.
                         self.listeners.notify(super::listeners::Part::Group(index));
                     }
                     Err(error) => {
-                        if let Some((dataset_id, physical)) = restore {
-                            match map(&physical) {
-                                Ok(mapping) => {
-                                    *slot = Some(Binding {
-                                        dataset_id,
-                                        mapping,
-                                    });
+                        if let Some((dataset_id, memory)) = restore {
+                            match map(memory) {
+                                Ok(mapped) => {
+                                    *slot = Some(Binding { dataset_id, mapped });
                                     state.bound.set(index, true);
                                 }
                                 Err(restore_error) => {
@@ -110,7 +121,7 @@ impl SpaceShared {
             Backing::CopyIn { resident, current } => {
                 let copy_stream = match stream {
                     Some(stream) => {
-                        state.fence.order_before(stream)?;
+                        self.backend.order_before(&mut state.fence, stream)?;
                         stream.clone()
                     }
                     None => {
@@ -118,25 +129,25 @@ impl SpaceShared {
                         match &state.copy_stream {
                             Some(s) => s.clone(),
                             None => {
-                                let s =
-                                    driver::traced("cuStreamCreate", 0, || self.ctx.new_stream())?;
-                                state.fence.attach(&s);
+                                let s = self.backend.new_stream()?;
+                                self.backend.attach(&mut state.fence, &s);
                                 state.copy_stream = Some(s.clone());
                                 s
                             }
                         }
                     }
                 };
-                state.fence.attach(&copy_stream);
+                self.backend.attach(&mut state.fence, &copy_stream);
                 *current = None;
                 state.bound.set(index, false);
                 for (offset, bytes) in dataset.input_runs() {
                     let source = home_ptr + offset as u64;
                     let target = resident.ptr() + offset as u64;
-                    driver::copy_device(&copy_stream, source, target, bytes)?;
+                    self.backend
+                        .copy_device(&copy_stream, source, target, bytes)?;
                 }
                 if stream.is_none() {
-                    driver::synchronize_stream(&copy_stream)?;
+                    self.backend.synchronize(&copy_stream)?;
                 }
                 *current = Some(dataset.id());
             }
@@ -151,7 +162,7 @@ impl SpaceShared {
     }
 
     /// See `Space::copy_out`.
-    pub(super) fn copy_out(&self, dataset: &Dataset, stream: &Arc<CudaStream>) -> Result<()> {
+    pub(super) fn copy_out(&self, dataset: &DatasetCore<B>, stream: &B::Stream) -> Result<()> {
         let index = self.check_compatible(dataset)?;
         let mut state = self.lock();
         let state = &mut *state;
@@ -162,16 +173,16 @@ impl SpaceShared {
                     group: dataset.group().into(),
                 }));
             }
-            state.fence.attach(stream);
+            self.backend.attach(&mut state.fence, stream);
             for (offset, bytes) in dataset.output_runs() {
-                driver::copy_device(
+                self.backend.copy_device(
                     stream,
                     resident.ptr() + offset as u64,
                     home_ptr + offset as u64,
                     bytes,
                 )?;
             }
-            driver::synchronize_stream(stream)?;
+            self.backend.synchronize(stream)?;
         }
         Ok(())
     }
@@ -180,7 +191,7 @@ impl SpaceShared {
     /// whether something was unbound.
     pub(super) fn unbind_group(&self, index: usize, only_dataset: Option<u64>) -> Result<bool> {
         let mut state = self.lock();
-        let state: &mut SpaceState = &mut state;
+        let state: &mut SpaceState<B> = &mut state;
         let Some(bound) = state.backings[index].dataset() else {
             return Ok(false);
         };
@@ -201,12 +212,12 @@ impl SpaceShared {
     }
 }
 
-impl Binder for SpaceShared {
+impl<B: Backend> Binder<B> for SpaceShared<B> {
     fn unbind_dataset(&self, dataset: u64, group: usize) -> Result<bool> {
         self.unbind_group(group, Some(dataset))
     }
 
-    fn bind_again(&self, dataset: &Dataset) -> Result<()> {
+    fn bind_again(&self, dataset: &DatasetCore<B>) -> Result<()> {
         self.bind(dataset, None)
     }
 }

@@ -24,17 +24,18 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use bitvec::vec::BitVec;
 use cudarc::driver::{sys, CudaContext, CudaStream};
 
-use crate::dataset::{Binder, Dataset};
+use crate::dataset::Dataset;
 use crate::driver::device;
-use crate::driver::vmm::{self, Location, Mapping, Physical, Reservation};
+use crate::driver::vmm::Location;
 use crate::error::{DriverError, Error, GraphError, LayoutError, Result};
-use crate::fence::{Fence, FencePolicy};
+use crate::fence::FencePolicy;
 use crate::ids::next_id;
 use crate::layout::{Layout, Placement, Region};
 use crate::strategy::{BindStrategy, CostModel};
 use crate::view::{self, SlotView};
+use crate::vmm_core::{Backend, ReservedRange, Vmm, Waiter};
 
-use backing::Backing;
+use backing::{Backing, Mapped};
 pub use slot::Slot;
 
 /// Options for [`Space::with_options`].
@@ -107,40 +108,41 @@ pub struct Space {
 }
 
 #[derive(Debug)]
-pub(crate) struct SpaceState {
-    backings: Vec<Backing>,
+pub(crate) struct SpaceState<B: Backend> {
+    backings: Vec<Backing<B>>,
     /// Bit `i` set when group `i` has a dataset's data under it.
     bound: BitVec,
-    fence: Fence,
+    fence: B::Fence,
     /// Stream for copy-in binds issued without a stream.
-    copy_stream: Option<Arc<CudaStream>>,
+    copy_stream: Option<B::Stream>,
     /// The scratch region's memory; `None` while the space sleeps (or when it has no scratch).
-    scratch: Option<Mapping>,
+    scratch: Option<Mapped<B>>,
     /// While asleep: the dataset each group had bound when the space went to sleep.
     sleeping: Option<Vec<Option<u64>>>,
 }
 
 // Field order is drop order: bindings and the scratch mapping (in `state`) are unmapped before
 // the reservation they live in is freed (the mappings also hold the reservation alive).
+// Generic over the driver (`Vmm` for [`Space`], the fake one in the property tests).
 #[derive(Debug)]
-pub(crate) struct SpaceShared {
+pub(crate) struct SpaceShared<B: Backend = Vmm> {
     id: u64,
-    ctx: Arc<CudaContext>,
+    backend: B,
     layout: Layout,
     placement: Placement,
     slots: Vec<Slot>,
     access: Vec<usize>,
     strategies: Vec<BindStrategy>,
     shareable: bool,
-    state: Mutex<SpaceState>,
+    state: Mutex<SpaceState<B>>,
     /// Told after a bind or a wake maps other memory under a part of the space.
     pub(crate) listeners: listeners::Listeners,
-    reservation: Arc<Reservation>,
+    reservation: B::Reservation,
 }
 
 /// Held while a graph launch is enqueued: no bind can unmap between the check and the launch.
-pub(crate) struct ReplayLock<'a> {
-    _state: MutexGuard<'a, SpaceState>,
+pub(crate) struct ReplayLock<'a, B: Backend = Vmm> {
+    _state: MutexGuard<'a, SpaceState<B>>,
 }
 
 impl Space {
@@ -156,29 +158,9 @@ impl Space {
         options: SpaceOptions,
     ) -> Result<Self> {
         let access = access_list(ctx.ordinal(), &options.peers)?;
-        let granularity = vmm::granularity(ctx, false)?;
-        let placement = layout.place(granularity)?;
-        let reservation = Arc::new(Reservation::new(ctx, placement.total_bytes, granularity)?);
-        let scratch = match &placement.scratch {
-            Some(region) => Some(map_own(ctx, &reservation, region, &access)?),
-            None => None,
-        };
-        let slots = placement
-            .slots
-            .iter()
-            .map(|p| {
-                Slot::new(
-                    reservation.base() + p.offset as u64,
-                    p.name.clone(),
-                    p.bytes,
-                    p.role,
-                    p.group.map(|g| placement.groups[g].name.clone()),
-                )
-            })
-            .collect();
-        let groups = placement.groups.len();
-        let mut strategies = Vec::with_capacity(groups);
-        let mut backings = Vec::with_capacity(groups);
+        let backend = Vmm::with_access(ctx, &access);
+        let placement = layout.place(backend.granularity(false)?)?;
+        let mut strategies = Vec::with_capacity(placement.groups.len());
         for region in &placement.groups {
             let mut strategy = options
                 .group_bind
@@ -192,45 +174,19 @@ impl Space {
                 };
                 strategy = model.choose(region.bytes);
             }
-            backings.push(match strategy {
-                BindStrategy::CopyIn => Backing::CopyIn {
-                    resident: map_own(ctx, &reservation, region, &access)?,
-                    current: None,
-                },
-                _ => Backing::Remap(None),
-            });
             strategies.push(strategy);
         }
-        let state = SpaceState {
-            backings,
-            bound: BitVec::repeat(false, groups),
-            fence: Fence::new(ctx, options.fence),
-            copy_stream: None,
-            scratch,
-            sleeping: None,
-        };
-        let id = next_id();
-        tracing::debug!(
-            space = id,
-            base = reservation.base(),
-            bytes = placement.total_bytes,
-            groups,
-            "space created"
-        );
+        let shared = SpaceShared::new(
+            backend,
+            layout,
+            placement,
+            strategies,
+            options.fence,
+            options.shareable,
+            access,
+        )?;
         Ok(Self {
-            shared: Arc::new(SpaceShared {
-                id,
-                ctx: ctx.clone(),
-                layout,
-                placement,
-                slots,
-                access,
-                strategies,
-                shareable: options.shareable,
-                state: Mutex::new(state),
-                listeners: listeners::Listeners::default(),
-                reservation,
-            }),
+            shared: Arc::new(shared),
         })
     }
 
@@ -280,17 +236,17 @@ impl Space {
 
     /// First address of the reserved range.
     pub fn base(&self) -> sys::CUdeviceptr {
-        self.shared.reservation.base()
+        ReservedRange::base(&self.shared.reservation)
     }
 
     /// Bytes of address space reserved.
     pub fn reserved_bytes(&self) -> usize {
-        self.shared.reservation.bytes()
+        ReservedRange::bytes(&self.shared.reservation)
     }
 
     /// The CUDA context the space lives in.
     pub fn context(&self) -> &Arc<CudaContext> {
-        &self.shared.ctx
+        self.shared.backend.context()
     }
 
     /// Unique for the life of the process.
@@ -301,7 +257,7 @@ impl Space {
     /// Makes a dataset for group `group`: fresh physical memory on the space's device, laid out
     /// like the group's slots (contents undefined until written).
     pub fn new_dataset(&self, group: &str) -> Result<Dataset> {
-        self.new_dataset_at(group, Location::Device(self.shared.ctx.ordinal()))
+        self.new_dataset_at(group, Location::Device(self.shared.backend.device()))
     }
 
     /// [`Space::new_dataset`] with the memory at `at`: a peer GPU (over NVLink or PCIe) or pinned
@@ -322,7 +278,7 @@ impl Space {
             }
         }
         Dataset::new(
-            &self.shared.ctx,
+            self.context(),
             &self.shared.layout,
             &self.shared.placement,
             index,
@@ -350,9 +306,7 @@ impl Space {
     /// [`GraphError::Unbound`](crate::error::GraphError::Unbound) rather than mixing datasets.
     /// Binding the dataset already bound is a no-op.
     pub fn bind(&self, dataset: &Dataset) -> Result<()> {
-        self.shared.bind(dataset, None)?;
-        dataset.note_bound_in(self.binder());
-        Ok(())
+        self.shared.bind_noted(&dataset.core, None)
     }
 
     /// Like [`Space::bind`], but a copy-in group's copy is enqueued on `stream` and not waited
@@ -361,21 +315,14 @@ impl Space {
     /// attached streams; with the context fence the host waits first. Remap groups bind exactly
     /// as with [`Space::bind`].
     pub fn bind_on(&self, dataset: &Dataset, stream: &Arc<CudaStream>) -> Result<()> {
-        self.shared.bind(dataset, Some(stream))?;
-        dataset.note_bound_in(self.binder());
-        Ok(())
-    }
-
-    fn binder(&self) -> std::sync::Weak<dyn Binder> {
-        let shared: Arc<dyn Binder> = self.shared.clone();
-        Arc::downgrade(&shared)
+        self.shared.bind_noted(&dataset.core, Some(stream))
     }
 
     /// For a copy-in group with `dataset` bound: copies the output slots from the space's memory
     /// into the dataset, on `stream`, and waits. For a remap group outputs are already in the
     /// dataset and nothing is done.
     pub fn copy_out(&self, dataset: &Dataset, stream: &Arc<CudaStream>) -> Result<()> {
-        self.shared.copy_out(dataset, stream)
+        self.shared.copy_out(&dataset.core, stream)
     }
 
     /// The strategy group `group` was resolved to (`Remap` or `CopyIn`, never `Auto`).
@@ -412,7 +359,7 @@ impl Space {
         let slot = self.slot(name)?;
         let mut state = self.shared.lock();
         self.shared.require_bound(&state, slot)?;
-        state.fence.attach(stream);
+        Waiter::attach(&mut state.fence, stream);
         SlotView::new(slot.device_ptr(), slot.name(), slot.bytes(), stream)
     }
 
@@ -432,8 +379,81 @@ impl Space {
 }
 
 /// The narrow interface the graph and sleep modules use.
-impl SpaceShared {
-    fn lock(&self) -> MutexGuard<'_, SpaceState> {
+impl<B: Backend> SpaceShared<B> {
+    /// Reserves addresses for `placement` and backs its scratch and its copy-in groups
+    /// (`strategies`, one per group, resolved: never `Auto`); `access` lists the devices the
+    /// backend's mappings grant access to (its own first).
+    pub(crate) fn new(
+        backend: B,
+        layout: Layout,
+        placement: Placement,
+        strategies: Vec<BindStrategy>,
+        fence: FencePolicy,
+        shareable: bool,
+        access: Vec<usize>,
+    ) -> Result<Self> {
+        let granularity = backend.granularity(false)?;
+        let reservation = backend.reserve(placement.total_bytes, granularity)?;
+        let scratch = match &placement.scratch {
+            Some(region) => Some(map_own(&backend, &reservation, region)?),
+            None => None,
+        };
+        let slots = placement
+            .slots
+            .iter()
+            .map(|p| {
+                Slot::new(
+                    reservation.base() + p.offset as u64,
+                    p.name.clone(),
+                    p.bytes,
+                    p.role,
+                    p.group.map(|g| placement.groups[g].name.clone()),
+                )
+            })
+            .collect();
+        let groups = placement.groups.len();
+        let mut backings = Vec::with_capacity(groups);
+        for (region, strategy) in placement.groups.iter().zip(&strategies) {
+            backings.push(match strategy {
+                BindStrategy::CopyIn => Backing::CopyIn {
+                    resident: map_own(&backend, &reservation, region)?,
+                    current: None,
+                },
+                _ => Backing::Remap(None),
+            });
+        }
+        let state = SpaceState {
+            backings,
+            bound: BitVec::repeat(false, groups),
+            fence: backend.fence(fence),
+            copy_stream: None,
+            scratch,
+            sleeping: None,
+        };
+        let id = next_id();
+        tracing::debug!(
+            space = id,
+            base = reservation.base(),
+            bytes = placement.total_bytes,
+            groups,
+            "space created"
+        );
+        Ok(Self {
+            id,
+            backend,
+            layout,
+            placement,
+            slots,
+            access,
+            strategies,
+            shareable,
+            state: Mutex::new(state),
+            listeners: listeners::Listeners::default(),
+            reservation,
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, SpaceState<B>> {
         // Every mutation of the state is all-or-nothing, so a panic elsewhere cannot leave it
         // half-changed: a poisoned lock still holds consistent state.
         self.state
@@ -451,14 +471,14 @@ impl SpaceShared {
     }
 
     /// Records that `stream` may use the space's memory.
-    pub(crate) fn attach(&self, stream: &Arc<CudaStream>) {
-        self.lock().fence.attach(stream);
+    pub(crate) fn attach(&self, stream: &B::Stream) {
+        self.backend.attach(&mut self.lock().fence, stream);
     }
 
     /// Checks that a replay may run now (`Err(Asleep)` without scratch memory, `Err(Unbound)`
     /// naming the first group with nothing bound), attaches `stream`, and holds the space until
     /// the returned lock drops.
-    pub(crate) fn lock_replayable(&self, stream: &Arc<CudaStream>) -> Result<ReplayLock<'_>> {
+    pub(crate) fn lock_replayable(&self, stream: &B::Stream) -> Result<ReplayLock<'_, B>> {
         let mut state = self.lock();
         // A sleeping space refuses replays as asleep, also one without scratch (its groups
         // were unbound by the sleep, not by the caller).
@@ -471,7 +491,7 @@ impl SpaceShared {
                 group: self.placement.groups[index].name.clone(),
             }));
         }
-        state.fence.attach(stream);
+        self.backend.attach(&mut state.fence, stream);
         Ok(ReplayLock { _state: state })
     }
 
@@ -484,7 +504,7 @@ impl SpaceShared {
     pub(crate) fn restore_scratch(&self) -> Result<()> {
         let mut state = self.lock();
         if let (None, Some(region)) = (&state.scratch, &self.placement.scratch) {
-            state.scratch = Some(map_own(&self.ctx, &self.reservation, region, &self.access)?);
+            state.scratch = Some(map_own(&self.backend, &self.reservation, region)?);
             self.listeners.notify(listeners::Part::Scratch);
         }
         Ok(())
@@ -502,7 +522,7 @@ impl SpaceShared {
             .ok_or_else(|| Error::Layout(LayoutError::UnknownSlot { slot: name.into() }))
     }
 
-    fn require_bound(&self, state: &SpaceState, slot: &Slot) -> Result<()> {
+    fn require_bound(&self, state: &SpaceState<B>, slot: &Slot) -> Result<()> {
         match slot.group() {
             Some(group) => {
                 let index = self.placement.group_index(group)?;
@@ -518,7 +538,7 @@ impl SpaceShared {
         }
     }
 
-    fn require_scratch(&self, state: &SpaceState) -> Result<()> {
+    fn require_scratch(&self, state: &SpaceState<B>) -> Result<()> {
         if self.placement.scratch.is_some() && state.scratch.is_none() {
             return Err(Error::Graph(GraphError::Asleep));
         }
@@ -526,7 +546,7 @@ impl SpaceShared {
     }
 }
 
-impl Drop for SpaceShared {
+impl<B: Backend> Drop for SpaceShared<B> {
     fn drop(&mut self) {
         let state = self
             .state
@@ -574,19 +594,12 @@ fn require_device(ordinal: usize) -> Result<()> {
 }
 
 /// New memory of `region`'s size mapped at its place in the reservation (scratch, copy-in).
-fn map_own(
-    ctx: &Arc<CudaContext>,
-    reservation: &Arc<Reservation>,
+fn map_own<B: Backend>(
+    backend: &B,
+    reservation: &B::Reservation,
     region: &Region,
-    access: &[usize],
-) -> Result<Mapping> {
-    let physical = Arc::new(Physical::reusable(ctx, region.bytes)?);
-    Mapping::new(
-        reservation,
-        region.offset,
-        &physical,
-        0,
-        region.bytes,
-        access,
-    )
+) -> Result<Mapped<B>> {
+    let memory = Arc::new(backend.create_memory(region.bytes, false)?);
+    let mapping = backend.map(reservation, region.offset, &memory, region.bytes)?;
+    Ok(Mapped { mapping, memory })
 }

@@ -14,31 +14,29 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaStream;
 
-use super::backing::{Backing, Binding};
-use super::SpaceShared;
-use crate::dataset::{Binder, Dataset, Saved};
-use crate::driver::vmm::Mapping;
+use super::backing::{Backing, Binding, Mapped};
+use super::{Space, SpaceShared};
+use crate::dataset::{Binder, Dataset, DatasetOf, Saved};
 use crate::error::Result;
 use crate::host::{HostStorage, TransferReport};
-
-use super::Space;
+use crate::vmm_core::{Backend, Waiter};
 
 /// What a sleep took out of the space before the datasets were saved: put back on failure,
 /// dropped (unmapped) once every save succeeded.
 #[derive(Debug)]
-struct Taken {
+struct Taken<B: Backend> {
     /// The groups unbound by the sleep and what was under each.
-    groups: Vec<(usize, TakenBacking)>,
-    scratch: Option<Mapping>,
+    groups: Vec<(usize, TakenBacking<B>)>,
+    scratch: Option<Mapped<B>>,
 }
 
 /// A dataset whose bytes a sleep saved, and the other spaces it was unbound from for it.
-type SavedDataset<'a> = (&'a mut Dataset, Saved, Vec<Arc<dyn Binder>>);
+type SavedDataset<'a, B, D> = (&'a mut D, Saved<B>, Vec<Arc<dyn Binder<B>>>);
 
 #[derive(Debug)]
-enum TakenBacking {
+enum TakenBacking<B: Backend> {
     /// A remap group's mapping of the dataset's memory.
-    Remap(Binding),
+    Remap(Binding<B>),
     /// A copy-in group's claim that its memory holds this dataset's inputs.
     CopyIn(u64),
 }
@@ -60,53 +58,7 @@ impl Space {
         storage: &HostStorage,
         stream: &Arc<CudaStream>,
     ) -> Result<Vec<TransferReport>> {
-        let mut datasets: Vec<&'a mut Dataset> = datasets.into_iter().collect();
-        let ids: Vec<u64> = datasets.iter().map(|d| d.id()).collect();
-        let Some(taken) = self.shared.begin_sleep(&ids)? else {
-            return Ok(Vec::new());
-        };
-        // Only the datasets whose groups the sleep took.
-        datasets.retain(|d| taken.groups.iter().any(|(_, t)| t.dataset() == d.id()));
-        let me = self.binder();
-        let mut saved: Vec<SavedDataset<'a>> = Vec::new();
-        let mut failure = None;
-        for dataset in datasets {
-            // Bound in other spaces too: out of those first (a lone offload's step).
-            let others = match dataset.unbind_all(Some(&me)) {
-                Ok(others) => others,
-                Err(error) => {
-                    failure = Some(error);
-                    break;
-                }
-            };
-            match dataset.save_to_host(storage, stream) {
-                Ok(copy) => saved.push((dataset, copy, others)),
-                Err(error) => {
-                    dataset.bind_again_in(&others);
-                    failure = Some(error);
-                    break;
-                }
-            }
-        }
-        if let Some(error) = failure {
-            for (dataset, copy, others) in saved.into_iter().rev() {
-                drop(copy); // the host memory goes back
-                dataset.bind_again_in(&others);
-            }
-            self.shared.cancel_sleep(taken);
-            return Err(error);
-        }
-        // Unmaps the groups' mappings and the scratch: the fence in `begin_sleep` drained their
-        // use, and nothing could use them since.
-        drop(taken);
-        let reports = saved
-            .into_iter()
-            .map(|(dataset, copy, _)| dataset.release_to_host(copy))
-            .collect();
-        // A sleep is asked for to give the device memory back: what the release queue holds
-        // (issue 43) goes now, with whatever else the device held.
-        crate::driver::deferred::trim(self.context().ordinal());
-        Ok(reports)
+        self.shared.sleep(datasets, storage, stream)
     }
 
     /// Wakes a sleeping space: new scratch memory (uninitialised) at the same addresses, and
@@ -120,24 +72,11 @@ impl Space {
         datasets: impl IntoIterator<Item = &'a mut Dataset>,
         stream: &Arc<CudaStream>,
     ) -> Result<Vec<TransferReport>> {
-        let Some(sleeping) = self.shared.sleeping() else {
-            return Ok(Vec::new());
-        };
-        self.shared.restore_scratch()?;
-        let mut reports = Vec::new();
-        for dataset in datasets
-            .into_iter()
-            .filter(|d| sleeping.contains(&Some(d.id())))
-        {
-            reports.push(dataset.restore(stream)?);
-            self.bind(dataset)?;
-        }
-        self.shared.leave_sleep();
-        Ok(reports)
+        self.shared.wake(datasets, stream)
     }
 }
 
-impl TakenBacking {
+impl<B: Backend> TakenBacking<B> {
     fn dataset(&self) -> u64 {
         match self {
             TakenBacking::Remap(binding) => binding.dataset_id,
@@ -146,11 +85,92 @@ impl TakenBacking {
     }
 }
 
-impl SpaceShared {
+impl<B: Backend> SpaceShared<B> {
+    /// See [`Space::sleep`].
+    pub(crate) fn sleep<'a, D: DatasetOf<B> + 'a>(
+        self: &Arc<Self>,
+        datasets: impl IntoIterator<Item = &'a mut D>,
+        storage: &HostStorage,
+        stream: &B::Stream,
+    ) -> Result<Vec<TransferReport>> {
+        let mut datasets: Vec<&'a mut D> = datasets.into_iter().collect();
+        let ids: Vec<u64> = datasets.iter().map(|d| d.core().id()).collect();
+        let Some(taken) = self.begin_sleep(&ids)? else {
+            return Ok(Vec::new());
+        };
+        // Only the datasets whose groups the sleep took.
+        datasets.retain(|d| {
+            let id = d.core().id();
+            taken.groups.iter().any(|(_, t)| t.dataset() == id)
+        });
+        let me = self.binder();
+        let mut saved: Vec<SavedDataset<'a, B, D>> = Vec::new();
+        let mut failure = None;
+        for dataset in datasets {
+            let core = dataset.core();
+            // Bound in other spaces too: out of those first (a lone offload's step).
+            let others = match core.unbind_all(Some(&me)) {
+                Ok(others) => others,
+                Err(error) => {
+                    failure = Some(error);
+                    break;
+                }
+            };
+            match core.save_to_host(storage, stream) {
+                Ok(copy) => saved.push((dataset, copy, others)),
+                Err(error) => {
+                    core.bind_again_in(&others);
+                    failure = Some(error);
+                    break;
+                }
+            }
+        }
+        if let Some(error) = failure {
+            for (dataset, copy, others) in saved.into_iter().rev() {
+                drop(copy); // the host memory goes back
+                dataset.core().bind_again_in(&others);
+            }
+            self.cancel_sleep(taken);
+            return Err(error);
+        }
+        // Unmaps the groups' mappings and the scratch: the fence in `begin_sleep` drained their
+        // use, and nothing could use them since.
+        drop(taken);
+        let reports = saved
+            .into_iter()
+            .map(|(dataset, copy, _)| dataset.core_mut().release_to_host(copy))
+            .collect();
+        // A sleep is asked for to give the device memory back: what the release queue holds
+        // (issue 43) goes now, with whatever else the device held.
+        self.backend.release_held();
+        Ok(reports)
+    }
+
+    /// See [`Space::wake`].
+    pub(crate) fn wake<'a, D: DatasetOf<B> + 'a>(
+        self: &Arc<Self>,
+        datasets: impl IntoIterator<Item = &'a mut D>,
+        stream: &B::Stream,
+    ) -> Result<Vec<TransferReport>> {
+        let Some(sleeping) = self.sleeping() else {
+            return Ok(Vec::new());
+        };
+        self.restore_scratch()?;
+        let mut reports = Vec::new();
+        for dataset in datasets
+            .into_iter()
+            .filter(|d| sleeping.contains(&Some(d.core().id())))
+        {
+            reports.push(dataset.restore_on(stream)?);
+            self.bind_noted(dataset.core(), None)?;
+        }
+        self.leave_sleep();
+        Ok(reports)
+    }
     /// The first step of a sleep: `None` if asleep. Otherwise, after the fence, takes every group
     /// bound to one of `datasets` and the scratch out of the replay path (their mappings kept in
     /// the returned [`Taken`]), and records what each group had bound: the space is asleep.
-    fn begin_sleep(&self, datasets: &[u64]) -> Result<Option<Taken>> {
+    fn begin_sleep(&self, datasets: &[u64]) -> Result<Option<Taken<B>>> {
         let mut state = self.lock();
         if state.sleeping.is_some() {
             return Ok(None);
@@ -181,7 +201,7 @@ impl SpaceShared {
 
     /// Undoes [`SpaceShared::begin_sleep`] after a failed save: the space is awake with what it
     /// had, except where a bind in the meantime put something else (then that stays).
-    fn cancel_sleep(&self, taken: Taken) {
+    fn cancel_sleep(&self, taken: Taken<B>) {
         let mut state = self.lock();
         let state = &mut *state;
         for (index, taken) in taken.groups {

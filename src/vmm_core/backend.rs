@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaStream;
 
+use crate::driver::vmm::Location;
 use crate::error::Result;
 use crate::fence::FencePolicy;
 use crate::host::{HostStorage, Piece, StorageUsed};
@@ -38,7 +39,7 @@ pub(crate) trait Waiter: Send + Debug {
     fn note_use(&mut self, stream_key: u64) -> Result<()>;
 }
 
-/// What the pool and the regions need from the driver: address ranges, physical memory,
+/// What the pool, the regions, spaces and datasets need from the driver: address ranges, physical memory,
 /// mappings, fences, and the copies that move a region's bytes (device to device, and to and
 /// from host memory while it sleeps).
 pub(crate) trait Backend: Clone + Send + Sync + Debug + 'static {
@@ -47,7 +48,7 @@ pub(crate) trait Backend: Clone + Send + Sync + Debug + 'static {
     type Mapping: MappedRange;
     type Fence: Waiter;
     /// A stream work is ordered on.
-    type Stream: Send + Sync;
+    type Stream: Clone + Send + Sync + Debug;
     /// Bytes saved on the host while a region sleeps.
     type HostCopy: Send + Sync + Debug;
 
@@ -57,6 +58,9 @@ pub(crate) trait Backend: Clone + Send + Sync + Debug + 'static {
     /// `bytes` (a multiple of the granularity) of device memory; exportable as a file
     /// descriptor if `shareable`.
     fn create_memory(&self, bytes: usize, shareable: bool) -> Result<Self::Memory>;
+    /// `bytes` of memory at `at` (this device, a peer, pinned host) for a dataset; exportable
+    /// if `shareable`.
+    fn create_at(&self, bytes: usize, shareable: bool, at: Location) -> Result<Self::Memory>;
     /// A chunk for the pool (never exported).
     fn create(&self, bytes: usize) -> Result<Self::Memory> {
         self.create_memory(bytes, false)
@@ -92,6 +96,15 @@ pub(crate) trait Backend: Clone + Send + Sync + Debug + 'static {
     /// `memory` mapped whole at a fresh reservation of its own (a private address for it).
     fn map_alone(&self, memory: &Arc<Self::Memory>) -> Result<(Self::Reservation, Self::Mapping)>;
     fn fence(&self, policy: FencePolicy) -> Self::Fence;
+    /// Records on `fence` that `stream` may use the memory it guards.
+    fn attach(&self, fence: &mut Self::Fence, stream: &Self::Stream);
+    /// Makes work enqueued next on `stream` wait for what `fence` waits for (on the GPU where
+    /// the policy allows, else by waiting here).
+    fn order_before(&self, fence: &mut Self::Fence, stream: &Self::Stream) -> Result<()>;
+    /// A new stream of the device (`cuStreamCreate`).
+    fn new_stream(&self) -> Result<Self::Stream>;
+    /// The ordinal of the device the backend allocates on.
+    fn device(&self) -> usize;
     /// Enqueues a device-to-device copy on `stream`.
     fn copy_device(
         &self,

@@ -16,6 +16,7 @@ use std::sync::{Arc, Mutex, Weak};
 use cudarc::driver::{sys::CUresult, CudaStream};
 
 use super::backend::{Backend, MappedRange, PhysicalMemory, ReservedRange, Waiter};
+use crate::driver::vmm::Location;
 use crate::error::{DriverError, Error, LayoutError, Result, ShareError};
 use crate::fence::FencePolicy;
 use crate::host::{HostStorage, Piece, StorageUsed};
@@ -43,6 +44,8 @@ pub(crate) enum Call {
     Fill,
     /// Host to device outside a wake (`cuMemcpyHtoDAsync` of a small buffer).
     Write,
+    /// `cuStreamCreate`.
+    Stream,
 }
 
 /// A mapped range of the fake address space.
@@ -58,6 +61,7 @@ struct Mapped {
 struct Inner {
     next_base: AtomicU64,
     next_chunk: AtomicU64,
+    next_stream: AtomicU64,
     granularity: usize,
     /// Physical bytes the fake device holds; `create` beyond it is out of memory.
     device_bytes: usize,
@@ -212,6 +216,7 @@ impl Fake {
             inner: Arc::new(Inner {
                 next_base: AtomicU64::new(1 << 40),
                 next_chunk: AtomicU64::new(1),
+                next_stream: AtomicU64::new(1 << 20),
                 granularity,
                 device_bytes,
                 ..Inner::default()
@@ -547,6 +552,10 @@ impl Backend for Fake {
         })
     }
 
+    fn create_at(&self, bytes: usize, shareable: bool, _at: Location) -> Result<FakeChunk> {
+        self.create_memory(bytes, shareable)
+    }
+
     fn map_run(
         &self,
         reservation: &FakeRange,
@@ -686,6 +695,26 @@ impl Backend for Fake {
         FakeFence {
             inner: self.inner.clone(),
         }
+    }
+
+    fn attach(&self, _fence: &mut FakeFence, _stream: &FakeStream) {}
+
+    /// As `FencePolicy::Context` does: waits here.
+    fn order_before(&self, fence: &mut FakeFence, _stream: &FakeStream) -> Result<()> {
+        fence.wait()
+    }
+
+    fn new_stream(&self) -> Result<FakeStream> {
+        if self.inner.call(Call::Stream) {
+            return Err(Self::driver_error("cuStreamCreate", 0));
+        }
+        Ok(FakeStream(
+            self.inner.next_stream.fetch_add(1, Ordering::SeqCst),
+        ))
+    }
+
+    fn device(&self) -> usize {
+        0
     }
 
     fn copy_device(

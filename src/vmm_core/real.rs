@@ -6,7 +6,7 @@ use cudarc::driver::{CudaContext, CudaStream};
 
 use super::backend::{Backend, MappedRange, PhysicalMemory, ReservedRange, Waiter};
 use crate::driver;
-use crate::driver::vmm::{granularity, Mapping, Physical, Reservation};
+use crate::driver::vmm::{granularity, Location, Mapping, Physical, Reservation};
 use crate::error::Result;
 use crate::fence::{Fence, FencePolicy};
 use crate::host::{self, HostCopy, HostStorage, Piece, StorageUsed};
@@ -109,6 +109,10 @@ impl Backend for Vmm {
         }
     }
 
+    fn create_at(&self, bytes: usize, shareable: bool, at: Location) -> Result<Self::Memory> {
+        Physical::owned_at(&self.ctx, bytes, shareable, at)
+    }
+
     fn map_run(
         &self,
         reservation: &Self::Reservation,
@@ -145,6 +149,22 @@ impl Backend for Vmm {
 
     fn fence(&self, policy: FencePolicy) -> Self::Fence {
         Fence::new(&self.ctx, policy)
+    }
+
+    fn attach(&self, fence: &mut Self::Fence, stream: &Self::Stream) {
+        fence.attach(stream);
+    }
+
+    fn order_before(&self, fence: &mut Self::Fence, stream: &Self::Stream) -> Result<()> {
+        fence.order_before(stream)
+    }
+
+    fn new_stream(&self) -> Result<Self::Stream> {
+        driver::traced("cuStreamCreate", 0, || self.ctx.new_stream())
+    }
+
+    fn device(&self) -> usize {
+        self.ctx.ordinal()
     }
 
     fn copy_device(
