@@ -15,6 +15,8 @@
 mod backing;
 mod bind;
 pub(crate) mod listeners;
+#[cfg(test)]
+mod proptests;
 mod sleep;
 mod slot;
 
