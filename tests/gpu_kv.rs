@@ -163,6 +163,10 @@ fn a_random_serving_run_under_one_graph_matches_the_cpu_reference() {
     .unwrap();
     eprintln!("{report:?}");
     assert!(report.admitted > 0 && report.checked_tokens > 0);
+    assert!(
+        report.shared_granules_seen > 0,
+        "a fork shared whole granules: {report:?}"
+    );
     assert!(report.checked_outputs >= 8 * model.layers * model.q_elems());
     // Every mapping is undone on release; the free list is kept for reuse, then trimmed.
     for seq in 0..model.max_batch {

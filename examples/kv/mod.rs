@@ -359,6 +359,21 @@ fn admit(
     Ok(())
 }
 
+/// Makes the first `tokens` tokens of `from` the start of the empty slot `to`, in the cache
+/// (granules shared by mapping, [`KvCache::share_prefix`]) and in the mirror (copied).
+fn fork(cache: &KvCache, mirror: &mut Mirror, from: usize, to: usize, tokens: usize) -> Result<()> {
+    cache.share_prefix(from, to, tokens)?;
+    let token = mirror.model.token();
+    mirror.lengths[to] = tokens;
+    for buffer in 0..2 * mirror.model.layers {
+        let row: Vec<u16> = mirror.row(buffer, from)[..tokens * token].to_vec();
+        for t in 0..tokens {
+            mirror.set_token(buffer, to, t, &row[t * token..(t + 1) * token]);
+        }
+    }
+    Ok(())
+}
+
 /// A seeded serving run over `cache` with the graph `replay` captured over it (see
 /// [`step_work`]): sequences are admitted with random prompts, forked from a running one by
 /// [`KvCache::share_prefix`], grown a token per step, released and replaced; each step writes
@@ -379,10 +394,29 @@ pub fn serve(
     let mut mirror = Mirror::new(model, cap);
     let mut report = ServeReport::default();
     let token = model.token();
+    let per_granule = model.layout().tokens_per_granule(cache.granule());
     for step in 0..run.steps {
         if step == run.sleep_at {
             cache.sleep(&HostStorage::Pageable)?;
             cache.wake()?;
+        }
+        // Step 0 forks a sequence of whole granules, so every run shares granules (mapped
+        // twice) and copies on write; later forks share whole granules half the time.
+        if step == 0 && model.max_batch >= 2 && run.max_prompt > per_granule {
+            admit(
+                rng,
+                cache,
+                space,
+                stream,
+                &mut mirror,
+                run.max_prompt,
+                0,
+                run.max_prompt,
+            )?;
+            report.admitted += 1;
+            let tokens = rng.gen_range(per_granule..=run.max_prompt);
+            fork(cache, &mut mirror, 0, 1, tokens)?;
+            report.forked += 1;
         }
         // Events: admit into free slots, fork a running sequence, release one.
         for seq in 0..model.max_batch {
@@ -393,15 +427,13 @@ pub fn serve(
                     .collect();
                 if !running.is_empty() && rng.gen_bool(0.4) {
                     let from = running[rng.gen_range(0..running.len())];
-                    let tokens = rng.gen_range(1..=mirror.lengths[from]);
-                    cache.share_prefix(from, seq, tokens)?;
-                    mirror.lengths[seq] = tokens;
-                    for buffer in 0..2 * model.layers {
-                        let row: Vec<u16> = mirror.row(buffer, from)[..tokens * token].to_vec();
-                        for t in 0..tokens {
-                            mirror.set_token(buffer, seq, t, &row[t * token..(t + 1) * token]);
-                        }
-                    }
+                    let from_len = mirror.lengths[from];
+                    let tokens = if from_len >= per_granule && rng.gen_bool(0.5) {
+                        rng.gen_range(per_granule..=from_len)
+                    } else {
+                        rng.gen_range(1..=from_len)
+                    };
+                    fork(cache, &mut mirror, from, seq, tokens)?;
                     report.forked += 1;
                 } else {
                     let prompt = rng.gen_range(1..=run.max_prompt);
