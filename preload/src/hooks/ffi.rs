@@ -546,6 +546,29 @@ fn device_to_device(kind: c_int) -> bool {
     kind == real::MEMCPY_DEVICE_TO_DEVICE || kind == real::MEMCPY_DEFAULT
 }
 
+/// The one `CopyCall` of the runtime's copy hooks (`cudaMemcpy`, `cudaMemcpyAsync` and their
+/// per-thread-stream forms), handed to copy elision: true when the copy was deferred (the
+/// hook returns success without calling the runtime).
+fn elided_runtime_copy(
+    hook: &'static str,
+    dst: *mut c_void,
+    src: *const c_void,
+    count: usize,
+    kind: c_int,
+    stream: u64,
+    sync: bool,
+) -> bool {
+    let call = CopyCall {
+        dst: dst as u64,
+        src: src as u64,
+        bytes: count,
+        device_to_device: device_to_device(kind),
+        stream,
+        sync,
+    };
+    elided_copy(call, hook)
+}
+
 /// `cudaMemcpy`: with copy elision, a deferrable device-to-device copy returns at once (as a
 /// device-to-device `cudaMemcpy` may); every other copy first performs deferred ones.
 #[no_mangle]
@@ -557,15 +580,7 @@ pub unsafe extern "C" fn cudaMemcpy(
 ) -> c_int {
     guarded("cudaMemcpy", cuda::UNKNOWN, || {
         let real = real_runtime!(cudaMemcpy);
-        let call = CopyCall {
-            dst: dst as u64,
-            src: src as u64,
-            bytes: count,
-            device_to_device: device_to_device(kind),
-            stream: 0,
-            sync: true,
-        };
-        if elided_copy(call, "cudaMemcpy") {
+        if elided_runtime_copy("cudaMemcpy", dst, src, count, kind, 0, true) {
             return cuda::SUCCESS;
         }
         // SAFETY: the caller's arguments, passed on unchanged.
@@ -583,15 +598,15 @@ pub unsafe extern "C" fn cudaMemcpyAsync(
 ) -> c_int {
     guarded("cudaMemcpyAsync", cuda::UNKNOWN, || {
         let real = real_runtime!(cudaMemcpyAsync);
-        let call = CopyCall {
-            dst: dst as u64,
-            src: src as u64,
-            bytes: count,
-            device_to_device: device_to_device(kind),
-            stream: stream as u64,
-            sync: false,
-        };
-        if elided_copy(call, "cudaMemcpyAsync") {
+        if elided_runtime_copy(
+            "cudaMemcpyAsync",
+            dst,
+            src,
+            count,
+            kind,
+            stream as u64,
+            false,
+        ) {
             return cuda::SUCCESS;
         }
         // SAFETY: the caller's arguments, passed on unchanged.
@@ -619,15 +634,15 @@ pub unsafe extern "C" fn cudaMemcpy_ptds(
 ) -> c_int {
     guarded("cudaMemcpy_ptds", cuda::UNKNOWN, || {
         let real = real_runtime!(cudaMemcpy_ptds);
-        let call = CopyCall {
-            dst: dst as u64,
-            src: src as u64,
-            bytes: count,
-            device_to_device: device_to_device(kind),
-            stream: real::STREAM_PER_THREAD,
-            sync: true,
-        };
-        if elided_copy(call, "cudaMemcpy_ptds") {
+        if elided_runtime_copy(
+            "cudaMemcpy_ptds",
+            dst,
+            src,
+            count,
+            kind,
+            real::STREAM_PER_THREAD,
+            true,
+        ) {
             return cuda::SUCCESS;
         }
         // SAFETY: the caller's arguments, passed on unchanged.
@@ -646,15 +661,15 @@ pub unsafe extern "C" fn cudaMemcpyAsync_ptsz(
 ) -> c_int {
     guarded("cudaMemcpyAsync_ptsz", cuda::UNKNOWN, || {
         let real = real_runtime!(cudaMemcpyAsync_ptsz);
-        let call = CopyCall {
-            dst: dst as u64,
-            src: src as u64,
-            bytes: count,
-            device_to_device: device_to_device(kind),
-            stream: per_thread_stream(stream),
-            sync: false,
-        };
-        if elided_copy(call, "cudaMemcpyAsync_ptsz") {
+        if elided_runtime_copy(
+            "cudaMemcpyAsync_ptsz",
+            dst,
+            src,
+            count,
+            kind,
+            per_thread_stream(stream),
+            false,
+        ) {
             return cuda::SUCCESS;
         }
         // SAFETY: the caller's arguments, passed on unchanged.
