@@ -27,6 +27,9 @@
 #![allow(dead_code)]
 
 pub mod loops;
+mod raw;
+
+pub use raw::Raw;
 
 /// The `--act` option of the decode examples: the MLP's activation.
 #[derive(Clone, Copy, Debug, clap::ValueEnum)]
@@ -52,7 +55,7 @@ use stablebuf::kernels::{
     bf16_from_f32, f32_from_bf16, uniform_bf16, Activation, DecodeKernels, GemmOutput, WeightLayout,
 };
 use stablebuf::kernels::{Blas, RECOMMENDED_WORKSPACE};
-use stablebuf::{Dataset, DeviceBuffer, Error, Layout, Result, Space};
+use stablebuf::{Dataset, Error, Layout, Result, Space};
 
 /// RMSNorm's epsilon.
 pub const EPS: f32 = 1e-5;
@@ -150,41 +153,6 @@ pub fn layout(shape: Shape) -> Result<Layout> {
         .scratch("down_out", b * h * F32)
         .scratch("workspace", RECOMMENDED_WORKSPACE)
         .build()
-}
-
-/// A device range given by address: a slot, a part of one, a dataset's own memory or a static
-/// buffer, all the same to the launchers.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Raw {
-    pub ptr: sys::CUdeviceptr,
-    pub bytes: usize,
-}
-
-impl DeviceBuffer for Raw {
-    fn device_address(&self) -> sys::CUdeviceptr {
-        self.ptr
-    }
-    fn byte_len(&self) -> usize {
-        self.bytes
-    }
-}
-
-impl Raw {
-    pub fn of(buffer: &impl DeviceBuffer) -> Self {
-        Self {
-            ptr: buffer.device_address(),
-            bytes: buffer.byte_len(),
-        }
-    }
-
-    /// `bytes` from `offset`; panics outside the range (a bug in this file, not bad input).
-    pub fn part(&self, offset: usize, bytes: usize) -> Self {
-        assert!(offset + bytes <= self.bytes, "part outside its range");
-        Self {
-            ptr: self.ptr + offset as u64,
-            bytes,
-        }
-    }
 }
 
 /// Where one weight set's tensors are.

@@ -10,44 +10,15 @@ use std::sync::Arc;
 
 use rand::{rngs::StdRng, Rng};
 use stablebuf::buffer::copy_between;
-use stablebuf::cudarc::driver::{sys, CudaStream};
+use stablebuf::cudarc::driver::CudaStream;
 use stablebuf::kernels::{attention_reference, bf16_from_f32, AttentionKernels, AttentionShape};
 use stablebuf::kv::{KvCache, KvKind, KvLayout};
-use stablebuf::{DeviceBuffer, Error, HostStorage, Layout, Result, Space};
+use stablebuf::{Error, HostStorage, Layout, Result, Space};
 
-/// A device range by address (a part of a slot), owned by graph work.
-#[derive(Clone, Copy, Debug)]
-pub struct Raw {
-    pub ptr: sys::CUdeviceptr,
-    pub bytes: usize,
-}
+#[path = "../decode/raw.rs"]
+mod raw;
 
-impl DeviceBuffer for Raw {
-    fn device_address(&self) -> sys::CUdeviceptr {
-        self.ptr
-    }
-    fn byte_len(&self) -> usize {
-        self.bytes
-    }
-}
-
-impl Raw {
-    pub fn of(buffer: &impl DeviceBuffer) -> Self {
-        Self {
-            ptr: buffer.device_address(),
-            bytes: buffer.byte_len(),
-        }
-    }
-
-    /// `bytes` from `offset`; panics outside the range (a bug in this file, not bad input).
-    pub fn part(&self, offset: usize, bytes: usize) -> Self {
-        assert!(offset + bytes <= self.bytes, "part outside its range");
-        Self {
-            ptr: self.ptr + offset as u64,
-            bytes,
-        }
-    }
-}
+pub use raw::Raw;
 
 /// The attention geometry of a model and the batch its cache is reserved for.
 #[derive(Clone, Copy, Debug)]
@@ -306,19 +277,30 @@ pub fn serve_space(
     Space::new(ctx, layout)
 }
 
+/// What a serving run writes prompts through: the cache, the scratch space with the staging
+/// slot, the stream, and the staging slot's size in tokens.
+struct Target<'a> {
+    cache: &'a KvCache,
+    space: &'a Space,
+    stream: &'a Arc<CudaStream>,
+    max_prompt: usize,
+}
+
 /// Copies `seq`'s prompt (`prompt` tokens, fresh random data) into the cache after growing it,
 /// and into the mirror.
-#[allow(clippy::too_many_arguments)]
 fn admit(
     rng: &mut StdRng,
-    cache: &KvCache,
-    space: &Space,
-    stream: &Arc<CudaStream>,
+    target: &Target<'_>,
     mirror: &mut Mirror,
-    max_prompt: usize,
     seq: usize,
     prompt: usize,
 ) -> Result<()> {
+    let Target {
+        cache,
+        space,
+        stream,
+        max_prompt,
+    } = *target;
     let model = mirror.model;
     let token = model.token();
     let buffers = 2 * model.layers;
@@ -395,6 +377,12 @@ pub fn serve(
     let mut report = ServeReport::default();
     let token = model.token();
     let per_granule = model.layout().tokens_per_granule(cache.granule());
+    let target = Target {
+        cache,
+        space,
+        stream,
+        max_prompt: run.max_prompt,
+    };
     for step in 0..run.steps {
         if step == run.sleep_at {
             cache.sleep(&HostStorage::Pageable)?;
@@ -403,16 +391,7 @@ pub fn serve(
         // Step 0 forks a sequence of whole granules, so every run shares granules (mapped
         // twice) and copies on write; later forks share whole granules half the time.
         if step == 0 && model.max_batch >= 2 && run.max_prompt > per_granule {
-            admit(
-                rng,
-                cache,
-                space,
-                stream,
-                &mut mirror,
-                run.max_prompt,
-                0,
-                run.max_prompt,
-            )?;
+            admit(rng, &target, &mut mirror, 0, run.max_prompt)?;
             report.admitted += 1;
             let tokens = rng.gen_range(per_granule..=run.max_prompt);
             fork(cache, &mut mirror, 0, 1, tokens)?;
@@ -437,16 +416,7 @@ pub fn serve(
                     report.forked += 1;
                 } else {
                     let prompt = rng.gen_range(1..=run.max_prompt);
-                    admit(
-                        rng,
-                        cache,
-                        space,
-                        stream,
-                        &mut mirror,
-                        run.max_prompt,
-                        seq,
-                        prompt,
-                    )?;
+                    admit(rng, &target, &mut mirror, seq, prompt)?;
                     report.admitted += 1;
                 }
             } else if len > 0 && (len + 1 >= cap || rng.gen_bool(0.05)) {
