@@ -1,8 +1,10 @@
 """Issue 42: RL weight sync from another node over NCCL, side by side (needs 2 GPUs; GPU 0 is
 the trainer's node, GPU 1 the engine's):
 
-- bucket: NCCL into a staging bucket while serving, then a copy into the live parameters at a
-  step boundary, the serving loop paused for it (checkpoint-engine / vLLM's path);
+- paused: the anchors' mechanism (vLLM's and TRL's NCCL update, checkpoint-engine): the serving
+  loop stops while each bucket is received over NCCL and copied into the live parameters;
+- bucket: the same buckets received while serving, the loop paused only for each copy (a
+  stronger baseline than the anchors, for reference);
 - shadow: NCCL straight into the engine's spare weight set while it serves, then one bind.
 
     python python/examples/rl_nccl_sync.py [--gib 2] [--versions 3] [--transport net|nvlink|both]
@@ -24,6 +26,7 @@ import subprocess
 import sys
 import time
 
+MODES = ("paused", "bucket", "shadow")  # versions 1..n, n+1..2n, 2n+1..3n
 NET = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo"}
 
 
@@ -39,9 +42,13 @@ def engine(args) -> None:
         ws = {f"l{i}": torch.randn(width, width, device="cuda:1", dtype=torch.bfloat16) * 0.01
               for i in range(layers)}
     store = control_store("127.0.0.1", args.port, server=True)
+    # The shadow set receives in operations of the bucket's size: the same NCCL operations as
+    # the bucket paths, only their destination differs (fewer, larger operations also carry
+    # more per second over sockets; the library's default chunk is smaller, for the stall watch).
     eng = RemoteEngine("w", ws, store=store, prefix="ex", sets=2,
-                       bucket_bytes=int(args.bucket_gib * 2**30))
-    eng.mode_for = lambda v: "bucket" if v <= args.versions else "shadow"
+                       bucket_bytes=int(args.bucket_gib * 2**30),
+                       chunk_bytes=int(args.bucket_gib * 2**30))
+    eng.mode_for = lambda v: MODES[min((v - 1) // args.versions, len(MODES) - 1)]
     x = torch.randn(8, width, device="cuda:1", dtype=torch.bfloat16)
     graph = stablebuf.CUDAGraph(tags=["w"])
     side = torch.cuda.Stream()
@@ -58,7 +65,7 @@ def engine(args) -> None:
     steps, launches = [], {}
     while not eng.connected:
         eng.accept(timeout=0.1)
-    total = 2 * args.versions
+    total = len(MODES) * args.versions
     t_end = None
     while True:
         t0 = time.monotonic()
@@ -87,7 +94,7 @@ def trainer(args) -> None:
     store = control_store("127.0.0.1", args.port, server=False)
     tr = RemoteTrainer.connect(store, "ex", device=0)
     time.sleep(1.0)  # the engine's undisturbed steps
-    for v in range(1, 2 * args.versions + 1):
+    for v in range(1, len(MODES) * args.versions + 1):
         for t in tr.tensors().values():
             t.normal_(0, 0.01)
         torch.cuda.synchronize()
@@ -103,7 +110,8 @@ def analyse(engine_out, trainer_out, versions):
     first_ready = min(t for k, v, t in engine_out["timeline"] if k == "ready")
     undisturbed = statistics.median(b - a for a, b in steps if b < first_ready)
     rows = {}
-    for mode, vs in (("bucket", range(1, versions + 1)), ("shadow", range(versions + 1, 2 * versions + 1))):
+    for i, mode in enumerate(MODES):
+        vs = range(i * versions + 1, (i + 1) * versions + 1)
         lost, longest, c2l, secs, gbps = [], [], [], [], []
         for v in vs:
             start = next(t for k, vv, t in engine_out["timeline"] if k == "ready" and vv == v)
@@ -162,10 +170,11 @@ def main() -> None:
         for mode, r in rows.items():
             print(f"{mode:8} {r['transfer_s']:10.3f} {r['gb_per_s']:7.2f} {r['lost_ms']:9.2f} "
                   f"{r['longest_ms']:10.2f} {r['commit_to_launch_ms']:17.3f}")
-        b, s = rows["bucket"], rows["shadow"]
+        b, p, s = rows["bucket"], rows["paused"], rows["shadow"]
         checks = {
             f"{transport} bandwidth shadow >= 0.9x bucket": s["gb_per_s"] >= 0.9 * b["gb_per_s"],
-            f"{transport} lost shadow <= 1/5 bucket": s["lost_ms"] <= max(b["lost_ms"], 0) / 5,
+            f"{transport} lost shadow <= 1/5 paused (pause-and-copy)":
+                s["lost_ms"] <= max(p["lost_ms"], 0) / 5,
             f"{transport} commit->launch median <= 1 ms": s["commit_to_launch_ms"] <= 1.0,
         }
         for name, good in checks.items():

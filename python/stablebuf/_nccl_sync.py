@@ -38,6 +38,7 @@ import socket
 import tempfile
 import threading
 import time
+import warnings
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from . import _native
@@ -107,6 +108,7 @@ class PairGroup:
         with scoped_env(PAIR_GROUP_ENV):
             self.backend = dist.ProcessGroupNCCL(prefixed, rank, 2, options)
         self.aborted = False
+        self.abort_error: Optional[str] = None
         #: Seconds the last :meth:`abort` took (``None``: not aborted), for the engine's report.
         self.abort_seconds: Optional[float] = None
 
@@ -133,8 +135,13 @@ class PairGroup:
         for name in ("abort", "_abort", "shutdown", "_shutdown"):
             method = getattr(self.backend, name, None)
             if method is not None:
-                with contextlib.suppress(Exception):
+                try:
                     method()
+                except Exception as error:  # noqa: BLE001 - the peer is gone: abort anyway
+                    #: What the backend's abort raised (``None``: nothing), for reports.
+                    self.abort_error = f"{name}(): {type(error).__name__}: {error}"
+                    warnings.warn(f"the trainer's communicator: {self.abort_error}",
+                                  RuntimeWarning, stacklevel=2)
                 break
         self.backend = None  # its destructor joins no thread (blocking-wait mode)
         self.abort_seconds = time.monotonic() - start
@@ -150,12 +157,26 @@ def _poll_done(work: Any, deadline: float) -> None:
         raise PublishError(f"the warm-up broadcast failed: {error}")
 
 
+#: One warm-up stream per device for the process's life. A fresh stream per trainer would
+#: leak: the caching allocator keeps the warm-up tensor's 2 MiB segment for its stream alone,
+#: and a stream never used again never reuses it (2 MiB per trainer that ever joined).
+_WARM_UP_STREAMS: Dict[int, Any] = {}
+_WARM_UP_LOCK = threading.Lock()
+
+
+def _warm_up_stream(torch: Any, device: int) -> Any:
+    with _WARM_UP_LOCK:
+        if device not in _WARM_UP_STREAMS:
+            _WARM_UP_STREAMS[device] = torch.cuda.Stream(device)
+        return _WARM_UP_STREAMS[device]
+
+
 def _warm_up(pair: PairGroup, epoch: int, deadline: float, root: bool) -> None:
     """Brings the communicator up (its first operation) and checks both sides agree on the
     epoch. On a side stream: nothing the serving stream queues waits for it."""
     torch = pair._torch
     torch.cuda.set_device(pair.device)
-    side = torch.cuda.Stream(pair.device)
+    side = _warm_up_stream(torch, pair.device)
     with torch.cuda.stream(side):
         value = torch.full((1,), epoch if root else -1, dtype=torch.int64,
                            device=f"cuda:{pair.device}")
@@ -258,6 +279,10 @@ class _Transfer:
         self.copies_s = 0.0
 
 
+#: The comparison paths that receive into a staging bucket and copy into the live parameters.
+BUCKET_MODES = ("bucket", "paused")
+
+
 def make_remote_engine_class(
     Engine: Any, tensors_of: Callable[[Any], Dict[str, Any]],
     entries_of: Callable[[str, Mapping[str, Any]], List[Entry]],
@@ -284,10 +309,12 @@ def make_remote_engine_class(
         seen says so in ``status.problems``. A new trainer may join at any time (the newest
         one wins; the older one's communicator is aborted).
 
-        ``mode_for(version)``: ``"shadow"`` (default) or ``"bucket"``: the comparison path
-        (receive into a staging bucket of ``bucket_bytes`` while serving, then copy it into the
-        live parameters at a step boundary, the serving loop paused for the copy: one engine,
-        no group, for measurements only).
+        ``mode_for(version)``: ``"shadow"`` (default), or one of two comparison paths (one
+        engine, no group, for measurements only): ``"paused"``, the anchors' mechanism (the
+        serving loop waits in :meth:`poll` while every bucket of ``bucket_bytes`` is received
+        and copied into the live parameters, as vLLM's and TRL's NCCL update and
+        checkpoint-engine do), and ``"bucket"`` (each bucket received while serving, the loop
+        paused only for its copy into the live parameters).
         """
 
         def __init__(
@@ -469,7 +496,7 @@ def make_remote_engine_class(
                 problems.append(f"VersionConflict: {problem}: refused")
                 return True
             mode = self.mode_for(offer.version)
-            if mode == "bucket":
+            if mode in BUCKET_MODES:
                 if self._group is not None:
                     raise PublishError("bucket mode is a one-engine comparison (no group)")
                 ranges = plan_ranges(entry_spans(self.manifest.entries),
@@ -501,8 +528,17 @@ def make_remote_engine_class(
             if transfer is None:
                 return
             state = transfer.watch.check(now)
-            if state == "done" and transfer.mode == "bucket":
+            if state == "done" and transfer.mode in BUCKET_MODES:
                 state = self._bucket_step(transfer, now)
+            while state == "waiting" and transfer.mode == "paused":
+                # The anchors' engine does nothing else until the update is in: this poll
+                # (the serving loop) returns when the last bucket is copied, or the trainer
+                # stalls.
+                time.sleep(0.0001)
+                now = time.monotonic()
+                state = transfer.watch.check(now)
+                if state == "done":
+                    state = self._bucket_step(transfer, now)
             if state == "done":
                 self._transfer = None
                 version = transfer.offer.version
@@ -514,7 +550,7 @@ def make_remote_engine_class(
                     "seconds_seen": now - started, "copy_s": transfer.copies_s,
                     "bytes": float(sum(e - s for s, e in transfer.ranges)),
                 }
-                if transfer.mode == "bucket":
+                if transfer.mode in BUCKET_MODES:
                     # The live parameters hold it now: nothing to bind.
                     self._switcher.version = version
                     self._switcher.last = max(self._switcher.last, version)
