@@ -34,9 +34,11 @@ any of these processes' stacks at once (test_nccl_sync.py sends it on its own ti
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime
 import faulthandler
+import gc
 import os
 import signal
 import subprocess
@@ -227,9 +229,55 @@ def nvidia_smi_mib(pid):
     return None
 
 
+#: What each call of :func:`counts` found open (``readlink`` of every descriptor): a growth is
+#: reported by kind (socket, anon_inode:[eventfd], /dev/nvidia-uvm, ...), not only counted.
+FD_TARGETS = []
+
+
+def _socket_table():
+    """inode -> what the socket is (tcp local -> remote state, or a unix socket's path)."""
+    table = {}
+    for kind in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError):
+            with open(f"/proc/net/{kind}") as f:
+                next(f)
+                for line in f:
+                    parts = line.split()
+                    local, remote, state, inode = parts[1], parts[2], parts[3], parts[9]
+                    port = lambda a: int(a.split(":")[1], 16)  # noqa: E731
+                    table[inode] = f"{kind} :{port(local)} -> :{port(remote)} st{state}"
+    with contextlib.suppress(OSError):
+        with open("/proc/net/unix") as f:
+            next(f)
+            for line in f:
+                parts = line.split()
+                table[parts[6]] = "unix " + (parts[7] if len(parts) > 7 else "(unnamed)")
+    return table
+
+
+def fd_targets():
+    found = []
+    sockets = _socket_table()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith("socket:["):
+                found.append(sockets.get(target[8:-1], "socket (not in /proc/net)"))
+            else:
+                found.append(target.split(":[")[0] + ":[]" if ":[" in target else target)
+    return found
+
+
 def counts(device):
     torch.cuda.synchronize(device)
+    # Cyclic garbage is not a leak: collect it first (and say what that closed, to tell a
+    # communicator kept alive by a reference cycle from one NCCL did not release).
+    open_before = len(os.listdir("/proc/self/fd"))
+    gc.collect()
+    FD_TARGETS.append(fd_targets())
     fds = len(os.listdir("/proc/self/fd"))
+    if fds != open_before:
+        say(f"gc.collect() closed {open_before - fds} descriptors")
     mib = nvidia_smi_mib(os.getpid())
     if mib is None:
         free, total = torch.cuda.mem_get_info(device)
@@ -428,6 +476,10 @@ def kill_main(folder, device, agree_every, store) -> int:
             ok = not failures and fd_growth <= LEAK_FDS and mib_growth <= LEAK_MIB
             if rank == 0:
                 ok = ok and detect is not None and detect <= STALL_S + 2.0
+        if len(FD_TARGETS) >= 2:
+            grew = collections.Counter(FD_TARGETS[-1]) - collections.Counter(FD_TARGETS[-len(after)])
+            say(f"descriptors opened between the first and the last count after a cycle: "
+                f"{dict(grew) or 'none'}; torch reserved {torch.cuda.memory_reserved(device) / 2**20:.0f} MiB")
         say(f"KILL rank {rank}: {'PASS' if ok else 'FAIL'} detect_s={detect} (bound "
             f"{STALL_S + 2.0:.1f} s, rank 0 only) steps={state['steps']} counts "
             f"base={base_counts} after_cycles={after} fd_growth={fd_growth} "
