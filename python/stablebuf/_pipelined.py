@@ -403,6 +403,16 @@ class PipelinedTrainer:
         #: :attr:`stablebuf.publish.Trainer.last_write` says, with ``region``.
         self.last_write: Dict[str, float] = {}
 
+    @property
+    def copy_streams(self) -> int:
+        """:attr:`stablebuf.publish.Trainer.copy_streams` of both regions' trainers."""
+        return self._trainers[0].copy_streams
+
+    @copy_streams.setter
+    def copy_streams(self, streams: int) -> None:
+        for trainer in self._trainers:
+            trainer.copy_streams = int(streams)
+
     @classmethod
     def connect(cls, path: str, **kwargs: Any) -> "PipelinedTrainer":
         """Connects to both sockets of the engine at ``path`` (keyword arguments as for

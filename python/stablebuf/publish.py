@@ -66,7 +66,7 @@ from ._native import (
     VersionConflict,
     WeightSet,
 )
-from ._share import DEFAULT_CHUNK_BYTES, SharePacer, write_shared
+from ._share import DEFAULT_CHUNK_BYTES, DEFAULT_COPY_STREAMS, SharePacer, write_shared
 from ._switcher import (
     DEFAULT_AGREE_EVERY,
     StartMin,
@@ -746,6 +746,20 @@ class Trainer:
         #: ``time.monotonic_ns()`` just before the last commit was sent (0: none yet), to time
         #: a publish against the engine's clock (the same clock in every process of a host).
         self.last_commit_at_ns = 0
+        #: Streams a full-speed write (share 1) spreads its copies over
+        #: (:func:`stablebuf._share.write_shared`); 1: the current stream alone.
+        self.copy_streams = DEFAULT_COPY_STREAMS
+        self._lanes: Dict[int, List[Any]] = {}  # device -> its copy streams, made on first use
+
+    def _copy_lanes(self) -> List[Any]:
+        if self.copy_streams < 2:
+            return []
+        device = self._torch.cuda.current_device()
+        lanes = self._lanes.get(device)
+        if lanes is None or len(lanes) != self.copy_streams:
+            lanes = [self._torch.cuda.Stream(device) for _ in range(self.copy_streams)]
+            self._lanes[device] = lanes
+        return lanes
 
     @classmethod
     def connect(
@@ -989,6 +1003,7 @@ class Trainer:
             share=share,
             chunk_bytes=chunk_bytes,
             devices=self._other_devices(set_id),
+            lanes=self._copy_lanes,  # made only for a full-speed write on one device
         )
         span.stop()
         start = time.perf_counter()
@@ -1002,6 +1017,7 @@ class Trainer:
             "chunks": info["chunks"],
             "copies": info["copies"],
             "cross_device": info["cross_device"],
+            "lanes": info.get("lanes", 1.0),
             "bytes": float(self._bytes),
             "writer": float(writer),
             "set_device": float(set_device),

@@ -12,6 +12,7 @@ import pytest
 
 from stablebuf._share import (
     SharePacer,
+    balance_lanes,
     crosses_devices,
     percentile,
     plan_chunks,
@@ -250,3 +251,98 @@ def test_the_pipelined_classes_are_exported():
 
     assert stablebuf.PipelinedEngine.__name__ == "PipelinedEngine"
     assert stablebuf.PipelinedTrainer.__name__ == "PipelinedTrainer"
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_lanes_take_every_name_once_and_about_equal_bytes(seed):
+    rng = random.Random(seed)
+    sizes = {f"t{i}": rng.choice([4, 4096, 1 << 20, 23 << 20, 131 << 20]) for i in range(rng.randint(1, 80))}
+    lanes = rng.randint(1, 4)
+    plan = balance_lanes(sizes, lanes)
+    assert len(plan) == lanes
+    assert sorted(n for lane in plan for n in lane) == sorted(sizes)
+    loads = [sum(sizes[n] for n in lane) for lane in plan]
+    # Largest first to the lightest lane: no lane exceeds another by more than one tensor.
+    assert max(loads) - min(loads) <= max(sizes.values())
+    with pytest.raises(ValueError):
+        balance_lanes(sizes, 0)
+
+
+class _Stream:
+    def __init__(self, name, events):
+        self.name, self.events = name, events
+
+    def wait_stream(self, other):
+        self.events.append(("wait", self.name, other.name))
+
+
+class _LaneCuda(_FakeCuda):
+    def __init__(self, events):
+        super().__init__()
+        self.events, self.now = events, _Stream("current", events)
+        self.default = self.now
+
+    def current_device(self):
+        return 0
+
+    def current_stream(self):
+        return self.now
+
+    def stream(self, lane):
+        cuda = self
+
+        class Use:
+            def __enter__(self):
+                cuda.now = lane
+
+            def __exit__(self, *exc):
+                cuda.now = cuda.default
+
+        return Use()
+
+
+class _Dev:
+    def __init__(self, index, kind="cuda"):
+        self.index, self.type = index, kind
+
+
+class _LaneTensor:
+    def __init__(self, name, nbytes, cuda, device=0):
+        self.name, self.nbytes, self.cuda, self.device = name, nbytes, cuda, _Dev(device)
+
+    def numel(self):
+        return self.nbytes // 2
+
+    def element_size(self):
+        return 2
+
+    def copy_(self, source, non_blocking=False):
+        self.cuda.events.append(("copy", self.cuda.now.name, self.name, source.name))
+
+
+def test_a_full_speed_write_spreads_its_copies_over_the_lanes_after_and_before_the_current_stream():
+    events = []
+    fake = _FakeTorch()
+    fake.cuda = _LaneCuda(events)
+    sizes = {f"w{i}": (i + 1) << 20 for i in range(20)}
+    dst = {n: _LaneTensor(n, b, fake.cuda) for n, b in sizes.items()}
+    src = {n: _LaneTensor(n.upper(), b, fake.cuda) for n, b in sizes.items()}
+    lanes = [_Stream("lane0", events), _Stream("lane1", events)]
+    info = write_shared(fake, dst, src, share=1.0, lanes=lanes)
+    assert info["lanes"] == 2.0 and info["copies"] == 20.0
+    copies = [e for e in events if e[0] == "copy"]
+    assert sorted(c[2] for c in copies) == sorted(sizes)  # each tensor once
+    assert all(c[3] == c[2].upper() for c in copies)
+    assert {c[1] for c in copies} == {"lane0", "lane1"}
+    first_copy = events.index(copies[0])
+    last_copy = events.index(copies[-1])
+    # Both lanes wait for the current stream before any copy; it waits for both after all.
+    assert {e for e in events[:first_copy] if e[0] == "wait"} == {
+        ("wait", "lane0", "current"), ("wait", "lane1", "current")}
+    assert {e for e in events[last_copy:] if e[0] == "wait"} == {
+        ("wait", "current", "lane0"), ("wait", "current", "lane1")}
+    # A tensor on another device: one stream, as before.
+    events.clear()
+    src["w0"] = _LaneTensor("W0", 1 << 20, fake.cuda, device=1)
+    info = write_shared(fake, dst, src, share=1.0, lanes=lanes)
+    assert "lanes" not in info and not [e for e in events if e[0] == "wait"]
