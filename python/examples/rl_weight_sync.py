@@ -48,6 +48,8 @@ Run: ``python python/examples/rl_weight_sync.py [--gib 1,8] [--versions 20] [--s
 from __future__ import annotations
 
 import argparse
+import gc
+import itertools
 import json
 import math
 import os
@@ -64,6 +66,30 @@ from stablebuf._pipelined import PARTS, PipelinedEngine, PipelinedTrainer
 from stablebuf._share import summarize, time_lost, undisturbed_period
 
 GiB = 1 << 30
+
+
+class GcPauses:
+    """The engine process's garbage-collector passes (``gc.callbacks``), to tell a switch
+    slowed by Python's collector from one slowed by the GPU or the driver."""
+
+    def __init__(self) -> None:
+        self.passes = []  # (start, end), time.monotonic()
+        self._start = None
+        gc.callbacks.append(self._note)
+
+    def _note(self, phase, info) -> None:
+        if phase == "start":
+            self._start = time.monotonic()
+        elif self._start is not None:
+            self.passes.append((self._start, time.monotonic()))
+            self._start = None
+
+    def within(self, start: float, end: float) -> float:
+        """Seconds of collection overlapping ``[start, end]``."""
+        return sum(max(0.0, min(b, end) - max(a, start)) for a, b in self.passes)
+
+
+GC_PAUSES = GcPauses()
 MiB = 1 << 20
 BUCKET = 512 * MiB
 TAG = "rl-weights"
@@ -95,6 +121,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="comma list of the trainer's bandwidth share for stablebuf and pipelined (1 = off)",
     )
     parser.add_argument("--chunk-mib", type=float, default=64.0, help="chunk of a shared write")
+    parser.add_argument(
+        "--copy-streams",
+        default="2",
+        help="comma list: streams a full-speed write spreads its copies over (Trainer.copy_streams)",
+    )
     parser.add_argument("--trainer-device", type=int, default=0)
     parser.add_argument("--engine-device", type=int, default=0)
     parser.add_argument("--peer-mib", type=int, default=1024, help="bytes of the peer-copy probe")
@@ -108,6 +139,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--json", default=None, help="write the results here (JSON)")
     args = parser.parse_args(argv)
     args.shares = [float(v) for v in args.share.split(",")]
+    args.stream_list = [int(v) for v in args.copy_streams.split(",") if v]
     args.method_list = [m for m in args.methods.split(",") if m]
     args.view_list = [v for v in args.views.split(",") if v]
     if any(v not in ("trainer", "engine") for v in args.view_list) or not args.view_list:
@@ -192,7 +224,8 @@ def peer_copy_gbps(src_device: int, dst_device: int, nbytes: int) -> float:
 # ---------------------------------------------------------------------------- trainer process
 
 
-def trainer_main(method: str, args: argparse.Namespace, conn, path: str, views: str) -> None:
+def trainer_main(method: str, args: argparse.Namespace, conn, path: str, views: str,
+                 streams: int = 2) -> None:
     from torch.multiprocessing.reductions import reduce_tensor
 
     tdev, edev = args.trainer_device, args.engine_device
@@ -227,6 +260,7 @@ def trainer_main(method: str, args: argparse.Namespace, conn, path: str, views: 
             trainer = PipelinedTrainer.connect(path, **kwargs)
         else:
             trainer = stablebuf.publish.Trainer.connect(path, **kwargs)
+        trainer.copy_streams = streams
     conn.send(setup)
     torch.cuda.synchronize()
     chunk = int(args.chunk_mib * MiB)
@@ -322,13 +356,14 @@ def pull(dst, src, staging) -> None:
     dst.copy_(part, non_blocking=True)
 
 
-def run_method(method, share, args, params, served, pair, ctx, views="trainer") -> dict:
+def run_method(method, share, args, params, served, pair, ctx, views="trainer",
+               streams=2) -> dict:
     conn, child_conn = ctx.Pipe()
     path = os.path.join(tempfile.mkdtemp(prefix="rl-sync-"), "engine.sock")
     engine = None
     free_before = torch.cuda.mem_get_info()[0]
     proc = ctx.Process(
-        target=trainer_main, args=(method, args, child_conn, path, views), daemon=True
+        target=trainer_main, args=(method, args, child_conn, path, views, streams), daemon=True
     )
     proc.start()
     sources, where = {}, {}
@@ -370,6 +405,9 @@ def run_method(method, share, args, params, served, pair, ctx, views="trainer") 
     extra_memory = 0
     last_end = None
     for version in range(1, args.versions + 1):
+        # A full collection now, before the undisturbed steps: Python's collector then has
+        # little reason to run a long (oldest generation) pass inside the publish window.
+        gc.collect()
         ends = []
         for _ in range(args.quiet_steps):
             status = boundary()
@@ -434,6 +472,7 @@ def run_method(method, share, args, params, served, pair, ctx, views="trainer") 
                         "poll_at": poll_at,
                         "prev_end": prev_end,
                         "launched_at": launched_at,
+                        "first_step": e - s,
                     }
                     if method == "pipelined":
                         parts = engine.switches[-1]
@@ -464,6 +503,7 @@ def run_method(method, share, args, params, served, pair, ctx, views="trainer") 
         else:
             row["to_end"] = (row["first_end"] - commit_at) * 1e3
         row.update(time_lost(steps, write_start, row["first_end"], periods[-1] if periods else 0.0))
+        row["gc"] = GC_PAUSES.within(commit_at, row["first_end"])
         rows.append(row)
         try:
             # Sums of ~2k bf16 products: a stale or wrong set is off by tens; bf16 rounding
@@ -494,9 +534,14 @@ def run_method(method, share, args, params, served, pair, ctx, views="trainer") 
         "method": method,
         "share": share,
         "views": views if two_gpus and method in PUBLISH_METHODS else "-",
+        "streams": streams if method in PUBLISH_METHODS else 1,
         "write_ms": ms("write"),
         "lost_ms": ms("lost"),
         "longest_ms": ms("longest"),
+        # The first step on the new weights alone: tells a slow switch step from a step slowed
+        # by the trainer's writes when the longest step misses.
+        "first_step_ms": ms("first_step"),
+        "gc_ms": ms("gc"),
         "to_end_ms": plain("to_end"),
         "quiet_ms": quiet * 1e3,
         "period_ms": summarize(periods)["median"] * 1e3,
@@ -543,6 +588,8 @@ def fmt(summary, key="median"):
 def label(r) -> str:
     """``method@share``, with ``/engine-views`` for a run through views on the engine's GPU."""
     tail = "/engine-views" if r.get("views") == "engine" else ""
+    if r["method"] in PUBLISH_METHODS and r.get("streams", 2) != 2:
+        tail += f"/{r['streams']}-stream"
     return f"{r['method']}@{r['share']:.2f}{tail}"
 
 
@@ -567,7 +614,8 @@ def report_parts(results, args, nbytes, alone_ms) -> None:
             f"{med(p, 'issue'):.3f} | wait {med(p, 'wait'):.3f} | gpu {med(p, 'gpu'):.3f} "
             f"({gbps(med(p, 'gpu')):.1f} GB/s) | pause {med(p, 'paused'):.3f} | commit "
             f"{med(p, 'commit'):.3f} | total {med(p, 'total'):.3f} | {med(p, 'copies'):.0f} "
-            f"copies, x-dev {med(p, 'cross_device'):.0f}, {med(p, 'chunks'):.0f} chunk(s)"
+            f"copies, x-dev {med(p, 'cross_device'):.0f}, {med(p, 'chunks'):.0f} chunk(s), "
+            f"{med(p, 'lanes'):.0f} stream(s)"
         )
     pauses = [r for r in results if r["method"] in PAUSE_METHODS]
     if pauses:
@@ -595,7 +643,7 @@ def report(results, args, nbytes, alone_ms=math.nan) -> None:
     print(f"{PREFIX} engine time per publish (window: the step in flight when the write began "
           "→ the end of the first step on the new weights)")
     print(f"{PREFIX}   {'method':12s} {'share':>5s} {'views':>7s} | {'write ms':>8s} | "
-          f"{'lost ms':>8s} {'p99':>8s} | {'longest ms':>10s} {'x max':>6s} | "
+          f"{'lost ms':>8s} {'p99':>8s} | {'longest ms':>10s} {'x max':>6s} {'1st x':>6s} | "
           f"{'commit->end ms':>14s} | {'+GiB':>5s} | wrong")
     for r in results:
         ratio = r["longest_ms"]["max"] / r["quiet_ms"]
@@ -603,7 +651,8 @@ def report(results, args, nbytes, alone_ms=math.nan) -> None:
             f"{PREFIX}   {r['method']:12s} {r['share']:5.2f} {r.get('views', '-'):>7s} | "
             f"{fmt(r['write_ms']):>8s} | "
             f"{fmt(r['lost_ms']):>8s} {fmt(r['lost_ms'], 'p99'):>8s} | "
-            f"{fmt(r['longest_ms']):>10s} {ratio:6.2f} | {fmt(r['to_end_ms']):>14s} | "
+            f"{fmt(r['longest_ms']):>10s} {ratio:6.2f} "
+            f"{r['first_step_ms']['max'] / r['quiet_ms']:6.2f} | {fmt(r['to_end_ms']):>14s} | "
             f"{r['extra_gib']:5.2f} | {r['wrong']}"
         )
     print(f"{PREFIX}   undisturbed: step {results[0]['quiet_ms']:.3f} ms, period (step + loop) "
@@ -617,6 +666,7 @@ def report(results, args, nbytes, alone_ms=math.nan) -> None:
             ("to_launch", "commit -> first launch (after the step in flight)"),
             ("to_launch_total", "commit -> first launch (with the wait)"),
             ("to_end", "commit -> end of that step"),
+            ("gc", "python GC pauses inside commit -> end of that step"),
         ]
         header = " | ".join(label(r).rjust(17) for r in publish)
         print(f"{PREFIX}   {'part':52s} | {header}")
@@ -652,7 +702,8 @@ def report(results, args, nbytes, alone_ms=math.nan) -> None:
     pause = min(pauses, key=lambda r: r["lost_ms"]["median"]) if pauses else None
     for method in PUBLISH_METHODS:
         # The library's way only: --views engine is the path issue 41 measured, for comparison.
-        runs = [r for r in results if r["method"] == method and r.get("views") != "engine"]
+        runs = [r for r in results if r["method"] == method and r.get("views") != "engine"
+                and r.get("streams", 2) == 2]
         if not runs or pause is None:
             continue
         best = min(runs, key=lambda r: r["lost_ms"]["median"])
@@ -684,14 +735,15 @@ def report(results, args, nbytes, alone_ms=math.nan) -> None:
         if r["share"] < 1.0:
             continue
         gbps = nbytes / (r["write_ms"]["median"] / 1e3) / 1e9
-        compared = r.get("views") == "engine"
+        compared = r.get("views") == "engine" or r.get("streams", 2) != 2
         verdict(
             f"item 3, {label(r)} write vs peer copy (NVLink floor, share off)",
             gbps >= 0.9 * r["peer_gbps"] if two_gpus and not compared else None,
             f"{gbps:.1f} GB/s vs {r['peer_gbps']:.1f} GB/s peer copy "
             f"({gbps / r['peer_gbps']:.2f}x, target >= 0.9x)"
             + ("" if two_gpus else "; needs --trainer-device != --engine-device")
-            + ("; views on the engine's GPU: reported only" if compared else ""),
+            + ("; views on the engine's GPU or another stream count than the default: "
+               "reported only" if compared else ""),
         )
     wrong = sum(r["wrong"] for r in results)
     verdict("outputs", wrong == 0, "all correct" if wrong == 0 else f"{wrong} WRONG")
@@ -773,8 +825,11 @@ def main(argv=None) -> int:
     for method in args.method_list:
         publishing = method in PUBLISH_METHODS
         for share in (args.shares if publishing else [1.0]):
-            for views in (args.view_list if publishing and two_gpus else ["trainer"]):
-                result = run_method(method, share, args, params, served, pair, ctx, views)
+            views_list = args.view_list if publishing and two_gpus else ["trainer"]
+            streams_list = args.stream_list if publishing and share >= 1.0 else [2]
+            for views, streams in itertools.product(views_list, streams_list):
+                result = run_method(method, share, args, params, served, pair, ctx, views,
+                                    streams)
                 result["alone_ms"] = alone_ms
                 results.append(result)
                 print(
