@@ -396,6 +396,9 @@ pub fn serve(
             let tokens = rng.gen_range(per_granule..=run.max_prompt);
             fork(cache, &mut mirror, 0, 1, tokens)?;
             report.forked += 1;
+            // Seen now: either sequence may end in this step's events below (a run at
+            // seed 1795835686585439066 released one before the count was taken).
+            report.shared_granules_seen = cache.stats().shared_granules;
         }
         // Events: admit into free slots, fork a running sequence, release one.
         for seq in 0..model.max_batch {
