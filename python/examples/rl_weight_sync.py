@@ -63,7 +63,7 @@ import torch.multiprocessing as mp
 
 import stablebuf
 from stablebuf._pipelined import PARTS, PipelinedEngine, PipelinedTrainer
-from stablebuf._share import summarize, time_lost, undisturbed_period
+from stablebuf._share import DEFAULT_COPY_STREAMS, summarize, time_lost, undisturbed_period
 
 GiB = 1 << 30
 
@@ -123,7 +123,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--chunk-mib", type=float, default=64.0, help="chunk of a shared write")
     parser.add_argument(
         "--copy-streams",
-        default="2",
+        default="1",
         help="comma list: streams a full-speed write spreads its copies over (Trainer.copy_streams)",
     )
     parser.add_argument("--trainer-device", type=int, default=0)
@@ -225,7 +225,7 @@ def peer_copy_gbps(src_device: int, dst_device: int, nbytes: int) -> float:
 
 
 def trainer_main(method: str, args: argparse.Namespace, conn, path: str, views: str,
-                 streams: int = 2) -> None:
+                 streams: int = DEFAULT_COPY_STREAMS) -> None:
     from torch.multiprocessing.reductions import reduce_tensor
 
     tdev, edev = args.trainer_device, args.engine_device
@@ -357,7 +357,7 @@ def pull(dst, src, staging) -> None:
 
 
 def run_method(method, share, args, params, served, pair, ctx, views="trainer",
-               streams=2) -> dict:
+               streams=DEFAULT_COPY_STREAMS) -> dict:
     conn, child_conn = ctx.Pipe()
     path = os.path.join(tempfile.mkdtemp(prefix="rl-sync-"), "engine.sock")
     engine = None
@@ -588,7 +588,7 @@ def fmt(summary, key="median"):
 def label(r) -> str:
     """``method@share``, with ``/engine-views`` for a run through views on the engine's GPU."""
     tail = "/engine-views" if r.get("views") == "engine" else ""
-    if r["method"] in PUBLISH_METHODS and r.get("streams", 2) != 2:
+    if r["method"] in PUBLISH_METHODS and r.get("streams", DEFAULT_COPY_STREAMS) != DEFAULT_COPY_STREAMS:
         tail += f"/{r['streams']}-stream"
     return f"{r['method']}@{r['share']:.2f}{tail}"
 
@@ -703,7 +703,7 @@ def report(results, args, nbytes, alone_ms=math.nan) -> None:
     for method in PUBLISH_METHODS:
         # The library's way only: --views engine is the path issue 41 measured, for comparison.
         runs = [r for r in results if r["method"] == method and r.get("views") != "engine"
-                and r.get("streams", 2) == 2]
+                and r.get("streams", DEFAULT_COPY_STREAMS) == DEFAULT_COPY_STREAMS]
         if not runs or pause is None:
             continue
         best = min(runs, key=lambda r: r["lost_ms"]["median"])
@@ -735,7 +735,8 @@ def report(results, args, nbytes, alone_ms=math.nan) -> None:
         if r["share"] < 1.0:
             continue
         gbps = nbytes / (r["write_ms"]["median"] / 1e3) / 1e9
-        compared = r.get("views") == "engine" or r.get("streams", 2) != 2
+        compared = (r.get("views") == "engine"
+                    or r.get("streams", DEFAULT_COPY_STREAMS) != DEFAULT_COPY_STREAMS)
         verdict(
             f"item 3, {label(r)} write vs peer copy (NVLink floor, share off)",
             gbps >= 0.9 * r["peer_gbps"] if two_gpus and not compared else None,
@@ -826,7 +827,8 @@ def main(argv=None) -> int:
         publishing = method in PUBLISH_METHODS
         for share in (args.shares if publishing else [1.0]):
             views_list = args.view_list if publishing and two_gpus else ["trainer"]
-            streams_list = args.stream_list if publishing and share >= 1.0 else [2]
+            streams_list = (args.stream_list if publishing and share >= 1.0
+                            else [DEFAULT_COPY_STREAMS])
             for views, streams in itertools.product(views_list, streams_list):
                 result = run_method(method, share, args, params, served, pair, ctx, views,
                                     streams)

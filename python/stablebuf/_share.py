@@ -15,8 +15,10 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 #: the copy engine, large enough that the per-chunk synchronisation costs little.
 DEFAULT_CHUNK_BYTES = 64 << 20
 
-#: Streams a trainer's full-speed write spreads its copies over (Trainer.copy_streams).
-DEFAULT_COPY_STREAMS = 2
+#: Streams a trainer's full-speed write spreads its copies over (Trainer.copy_streams). One:
+#: on 2 x H200 over NVLink (75 copies, 1 GiB) two streams carried 307 GB/s against one
+#: stream's 322 GB/s in the same run; more streams are there to try on other links.
+DEFAULT_COPY_STREAMS = 1
 
 Chunk = List[Tuple[str, int, int]]  # (tensor name, first row, row after the last)
 
@@ -155,8 +157,8 @@ def write_shared(
     (streams of the current device, or a function that makes them, called only then) and
     copies all on that device, they are spread over the
     lanes, balanced by bytes, after the current stream's work, and the current stream waits
-    for them: one copy engine's start-up between copies (a few microseconds, 7-10% of a write
-    of many tensors over NVLink) is hidden behind another's transfer. Below 1 the copies go in chunks
+    for them (meant to hide one copy's start-up behind another's transfer; see
+    :data:`DEFAULT_COPY_STREAMS` for what it did on NVLink). Below 1 the copies go in chunks
     (:func:`plan_chunks`); after each chunk the current device and ``devices`` are synchronised
     and the writer sleeps :meth:`SharePacer.pause_after` the chunk's time, so the engine sharing
     the GPU or the link gets the rest.

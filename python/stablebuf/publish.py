@@ -1003,7 +1003,8 @@ class Trainer:
             share=share,
             chunk_bytes=chunk_bytes,
             devices=self._other_devices(set_id),
-            lanes=self._copy_lanes,  # made only for a full-speed write on one device
+            # Made only for a full-speed write on one device.
+            lanes=self._copy_lanes if self.copy_streams > 1 else (),
         )
         span.stop()
         start = time.perf_counter()
