@@ -68,6 +68,7 @@ from .publish import (
     _tensors_of,
     _wait_for_message,
     manifest_entries,
+    refuse_trainer,
 )
 
 __all__ = ["PipelinedEngine", "PipelinedTrainer", "region_paths", "PARTS"]
@@ -232,13 +233,10 @@ class PipelinedEngine:
             if channel is None:
                 return
             if port.channel is not None:
-                with contextlib.suppress(PublishError):
-                    channel.send(
-                        "reject",
-                        reason=f"region `{port.tag}` already has a trainer: one trainer per "
-                        "pipelined engine",
-                    )
-                channel.close()
+                refuse_trainer(
+                    channel,
+                    f"region `{port.tag}` already has a trainer: one trainer per pipelined engine",
+                )
                 continue
             try:
                 self._handshake(port, channel)

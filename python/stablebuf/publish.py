@@ -293,6 +293,14 @@ class PollStatus:
     problems: Tuple[str, ...] = ()
 
 
+def refuse_trainer(channel: Any, reason: str) -> None:
+    """Tells a trainer that connected why it is refused (if it still listens) and closes its
+    channel: one writer per set."""
+    with contextlib.suppress(PublishError):
+        channel.send("reject", reason=reason)
+    channel.close()
+
+
 class Engine:
     """The serving side: owns region ``tag`` and ``sets`` spare weight sets, exported to one
     trainer at a time through the Unix socket ``path``.
@@ -470,13 +478,11 @@ class Engine:
             if self._channel is not None:
                 # One writer per set: a second trainer could write the set the first one is
                 # writing. Refuse it, clearly.
-                with contextlib.suppress(PublishError):
-                    channel.send(
-                        "reject",
-                        reason=f"engine `{self.tag}` already has a trainer: one trainer per "
-                        "engine (a trainer publishes to several engines with one Trainer each)",
-                    )
-                channel.close()
+                refuse_trainer(
+                    channel,
+                    f"engine `{self.tag}` already has a trainer: one trainer per engine (a "
+                    "trainer publishes to several engines with one Trainer each)",
+                )
                 continue
             try:
                 self._handshake(channel)
