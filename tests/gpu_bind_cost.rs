@@ -479,6 +479,33 @@ fn binds_through_a_servers_life_cost_what_the_driver_costs_then() {
         free >> 30
     );
     let mid = (big / 4).min(4 << 30) / CHUNK * CHUNK;
+    // Diagnosis knobs (unset: every row, the default policy, 100 ms): STABLEBUF_BIND_ROWS
+    // names the rows (`DropThenIdle,Grow`), STABLEBUF_BIND_PIECES_MIB the background pieces
+    // to try (`64,256,all`), STABLEBUF_BIND_IDLE_WAIT_MS the wait after the idle release.
+    let only: Option<Vec<String>> = std::env::var("STABLEBUF_BIND_ROWS")
+        .ok()
+        .map(|v| v.split(',').map(|s| s.trim().to_string()).collect());
+    let piece_sizes: Vec<usize> = std::env::var("STABLEBUF_BIND_PIECES_MIB")
+        .ok()
+        .map(|v| {
+            v.split(',')
+                .map(|s| match s.trim() {
+                    "all" => usize::MAX,
+                    n => {
+                        n.parse::<usize>()
+                            .expect("STABLEBUF_BIND_PIECES_MIB: MiB or `all`")
+                            * MIB
+                    }
+                })
+                .collect()
+        })
+        .unwrap_or_else(|| vec![ReleasePolicy::default().piece_bytes]);
+    let idle_wait = Duration::from_millis(
+        std::env::var("STABLEBUF_BIND_IDLE_WAIT_MS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(100),
+    );
     let total = SLOTS * SLOT;
     let (space, sets, pieces) = many_slot_space(&g, SLOTS, SLOT);
     let (reservation, physical, mapping) = floor_backing(&g, total, gran);
@@ -553,7 +580,7 @@ fn binds_through_a_servers_life_cost_what_the_driver_costs_then() {
                     {
                         std::thread::sleep(Duration::from_millis(5));
                     }
-                    std::thread::sleep(Duration::from_millis(100));
+                    std::thread::sleep(idle_wait);
                 }
                 Aftermath::keep(())
             }
@@ -622,7 +649,7 @@ fn binds_through_a_servers_life_cost_what_the_driver_costs_then() {
             LifeEvent::DropLarge | LifeEvent::DropThenIdle => {
                 drop(raw_ranges(&g, 2, big, gran));
                 if event == LifeEvent::DropThenIdle {
-                    std::thread::sleep(Duration::from_millis(100));
+                    std::thread::sleep(idle_wait);
                 }
                 Aftermath::keep(())
             }
@@ -690,12 +717,31 @@ fn binds_through_a_servers_life_cost_what_the_driver_costs_then() {
         big as f64 / (1u64 << 30) as f64,
         mid as f64 / (1u64 << 30) as f64
     );
+    let runs: Vec<(ReleaseMode, usize)> = piece_sizes
+        .iter()
+        .map(|&piece| (ReleaseMode::Background, piece))
+        .chain([(ReleaseMode::Immediate, ReleasePolicy::default().piece_bytes)])
+        .collect();
     for event in events {
-        for mode in [ReleaseMode::Background, ReleaseMode::Immediate] {
+        if only
+            .as_ref()
+            .is_some_and(|names| !names.contains(&format!("{event:?}")))
+        {
+            continue;
+        }
+        for &(mode, piece_bytes) in &runs {
             release::set_policy(ReleasePolicy {
                 mode,
+                piece_bytes,
                 ..ReleasePolicy::default()
             });
+            let piece_label = match (mode, piece_bytes) {
+                (ReleaseMode::Background, usize::MAX) => " pieces all".to_string(),
+                (ReleaseMode::Background, p) if p != ReleasePolicy::default().piece_bytes => {
+                    format!(" pieces {} MiB", p / MIB)
+                }
+                _ => String::new(),
+            };
             release::trim_all();
             std::thread::sleep(Duration::from_secs(2));
             let (_, quiet, _, _) = phase(QUIET);
@@ -723,7 +769,7 @@ fn binds_through_a_servers_life_cost_what_the_driver_costs_then() {
                 worst_beside = worst_beside.max(lib_beside);
             }
             rows.push(format!(
-                "{event:<17?} {mode:<10?} quiet {quiet:>6.1} us | library {lib_first:>7.1} us = {:>5.2}x quiet, {lib_beside:>5.2}x remap beside, {:>5.2}x the raw sequence | raw sequence {raw_first:>7.1} us = {:>5.2}x quiet, {raw_beside:>5.2}x remap beside | event: library {lib_event_ms:.1} ms, raw {raw_event_ms:.1} ms | queue: held {} MiB, +{} reused, +{} pieces, +{} released ({} background), +{} retries\n      first bind calls: library [{lib_calls}]\n                        raw     [{raw_calls}]",
+                "{event:<17?} {mode:<10?}{piece_label} quiet {quiet:>6.1} us | library {lib_first:>7.1} us = {:>5.2}x quiet, {lib_beside:>5.2}x remap beside, {:>5.2}x the raw sequence | raw sequence {raw_first:>7.1} us = {:>5.2}x quiet, {raw_beside:>5.2}x remap beside | event: library {lib_event_ms:.1} ms, raw {raw_event_ms:.1} ms | queue: held {} MiB, +{} reused, +{} pieces, +{} released ({} background), +{} retries\n      first bind calls: library [{lib_calls}]\n                        raw     [{raw_calls}]",
                 lib_first / quiet,
                 lib_first / raw_first,
                 raw_first / quiet,
