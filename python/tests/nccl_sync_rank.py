@@ -158,6 +158,53 @@ def trainer_main(host, port, prefix, device, seeds, die=False) -> int:
     return 0
 
 
+def probe_main(host, port, prefix, device) -> int:
+    """A bare pair's trainer side: join ``PairGroup`` rank 0, broadcast once, abort (what
+    ``RemoteTrainer.close`` does to its pair) and exit. No engine, no weights."""
+    from stablebuf._nccl_sync import PairGroup
+
+    torch.cuda.set_device(device)
+    store = control_store(host, port, server=False, timeout=60)
+    pair = PairGroup(store, prefix, 0, device)
+    pair.broadcast(torch.ones(1 << 16, device=f"cuda:{device}")).wait()
+    torch.cuda.synchronize(device)
+    store.wait([f"{prefix}received"])  # the engine side has it: leave as a trainer does
+    pair.abort()
+    return 0
+
+
+def bare_pair_cycles(store, prefix, device, peer_device, cycles=3):
+    """The engine's join-and-leave with nothing of stablebuf's around it: per cycle a child
+    process joins a bare ``PairGroup`` (a two-rank ``ProcessGroupNCCL``) with this one,
+    broadcasts once, aborts and exits, and this side aborts its end as the engine does when
+    a trainer leaves. Returns the descriptors opened between consecutive cycles, by kind,
+    one ``Counter`` per interval (what NCCL and torch keep per pair that joined and left)."""
+    from stablebuf._nccl_sync import PairGroup
+
+    snapshots = []
+    for cycle in range(cycles):
+        child = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "probe", "127.0.0.1", str(store.port),
+             f"{prefix}/{cycle}/", str(peer_device)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            pair = PairGroup(store, f"{prefix}/{cycle}/", 1, device)
+            got = torch.zeros(1 << 16, device=f"cuda:{device}")
+            pair.broadcast(got).wait()
+            torch.cuda.synchronize(device)
+            store.set(f"{prefix}/{cycle}/received", "1")
+            child.wait(timeout=120)
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        pair.abort()
+        del pair
+        gc.collect()
+        snapshots.append(fd_targets())
+    return [collections.Counter(b) - collections.Counter(a) for a, b in zip(snapshots, snapshots[1:])]
+
+
 def build(tag, device):
     with stablebuf.region(tag, fence="last-use"):
         tensors = {n: torch.empty(s, dtype=d, device=f"cuda:{device}")
@@ -235,9 +282,10 @@ FD_TARGETS = []
 
 
 def _socket_table():
-    """inode -> what the socket is (tcp local -> remote state, or a unix socket's path)."""
+    """inode -> what the socket is (tcp/udp local -> remote state, a unix socket's path, a
+    netlink or packet socket's protocol)."""
     table = {}
-    for kind in ("tcp", "tcp6"):
+    for kind in ("tcp", "tcp6", "udp", "udp6", "raw", "raw6"):
         with contextlib.suppress(OSError):
             with open(f"/proc/net/{kind}") as f:
                 next(f)
@@ -252,7 +300,32 @@ def _socket_table():
             for line in f:
                 parts = line.split()
                 table[parts[6]] = "unix " + (parts[7] if len(parts) > 7 else "(unnamed)")
+    # netlink: sk Eth Pid Groups Rmem Wmem Dump Locks Drops Inode; packet: ... Inode last.
+    for kind, proto_col in (("netlink", 1), ("packet", 3)):
+        with contextlib.suppress(OSError):
+            with open(f"/proc/net/{kind}") as f:
+                next(f)
+                for line in f:
+                    parts = line.split()
+                    table[parts[-1]] = f"{kind} proto {parts[proto_col]}"
     return table
+
+
+def _describe_socket(fd: str) -> str:
+    """What the kernel says of a socket no /proc/net table lists: family, type, addresses
+    (through a duplicate of the descriptor, closed at once; the original stays open)."""
+    import socket
+
+    try:
+        with socket.socket(fileno=os.dup(int(fd))) as s:
+            what = f"socket {s.family.name} {s.type.name}"
+            with contextlib.suppress(OSError):
+                what += f" {s.getsockname()!r}"
+            with contextlib.suppress(OSError):
+                what += f" -> {s.getpeername()!r}"
+            return what + " (not in /proc/net)"
+    except (OSError, ValueError) as error:
+        return f"socket (not in /proc/net; {type(error).__name__})"
 
 
 def fd_targets():
@@ -262,7 +335,7 @@ def fd_targets():
         with contextlib.suppress(OSError):
             target = os.readlink(f"/proc/self/fd/{fd}")
             if target.startswith("socket:["):
-                found.append(sockets.get(target[8:-1], "socket (not in /proc/net)"))
+                found.append(sockets.get(target[8:-1]) or _describe_socket(fd))
             else:
                 found.append(target.split(":[")[0] + ":[]" if ":[" in target else target)
     return found
@@ -320,6 +393,7 @@ def kill_main(folder, device, agree_every, store) -> int:
     say(f"engine up on GPU {device} (stall_timeout {STALL_S:g} s, agree_every {agree_every}); "
         f"trainers on GPU {gpu}")
     failures = []
+    engine_grew, bare_grew = None, None
     state = {"steps": 0, "killed_at": None, "dropped_at": None}
     spawned = []
     detect = None
@@ -452,6 +526,19 @@ def kill_main(folder, device, agree_every, store) -> int:
             barrier(f"after cycle {cycle}")
             after.append(counts(device))
             say(f"counts after cycle {cycle}: {after[-1]}")
+        # The engine's growth first (the bare cycles below open descriptors of their own).
+        engine_grew = collections.Counter(FD_TARGETS[-1]) - collections.Counter(FD_TARGETS[-len(after)])
+        barrier("before the bare pairs")
+        start = time.monotonic()
+        intervals = bare_pair_cycles(store, f"kill/bare{rank}", device, gpu)
+        # What the engine may keep: NCCL's worst join/leave alone, once per engine cycle.
+        bare_grew = collections.Counter()
+        for kind in set().union(*intervals):
+            bare_grew[kind] = max(c[kind] for c in intervals) * (len(after) - 1)
+        say(f"bare pairs (3 join/abort cycles of a PairGroup alone, {time.monotonic() - start:.1f} s): "
+            f"descriptors opened per cycle: {[dict(c) or 'none' for c in intervals]}; allowed the "
+            f"engine over its {len(after) - 1} cycles: {dict(bare_grew) or 'none'}")
+        barrier("after the bare pairs")
     except PhaseTimeout as late:
         failures.insert(0, f"PhaseTimeout: {late}")
         say(f"phase deadline passed: {late}")
@@ -469,11 +556,18 @@ def kill_main(folder, device, agree_every, store) -> int:
                 time.sleep(0.5)
                 proc.kill()
                 proc.wait()
-        ok, fd_growth, mib_growth = False, None, None
+        ok, fd_growth, mib_growth, beyond = False, None, None, None
         if len(after) >= 2:
             fd_growth = after[-1][0] - after[0][0]
             mib_growth = round(after[-1][1] - after[0][1], 1)
-            ok = not failures and fd_growth <= LEAK_FDS and mib_growth <= LEAK_MIB
+            # What the engine kept beyond what a bare pair of NCCL's keeps per join/leave
+            # (its leaked sockets are NCCL's own: see the bare pairs' line), when measured.
+            if engine_grew is not None and bare_grew is not None:
+                beyond = sum((engine_grew - bare_grew).values())
+                leaked = beyond
+            else:
+                leaked = fd_growth
+            ok = not failures and leaked <= LEAK_FDS and mib_growth <= LEAK_MIB
             if rank == 0:
                 ok = ok and detect is not None and detect <= STALL_S + 2.0
         if len(FD_TARGETS) >= 2:
@@ -483,7 +577,7 @@ def kill_main(folder, device, agree_every, store) -> int:
         say(f"KILL rank {rank}: {'PASS' if ok else 'FAIL'} detect_s={detect} (bound "
             f"{STALL_S + 2.0:.1f} s, rank 0 only) steps={state['steps']} counts "
             f"base={base_counts} after_cycles={after} fd_growth={fd_growth} "
-            f"mib_growth={mib_growth} failures={failures[:5]}")
+            f"mib_growth={mib_growth} beyond_bare_pairs={beyond} failures={failures[:5]}")
         marks = [(k, v, round(t - T0, 2)) for k, v, t in engine.timeline]
         say(f"engine timeline (event, version or epoch, s since start): {marks}")
         start = time.monotonic()
@@ -493,6 +587,8 @@ def kill_main(folder, device, agree_every, store) -> int:
 
 
 def main(argv) -> int:
+    if argv[1] == "probe":
+        return probe_main(argv[2], int(argv[3]), argv[4], int(argv[5]))
     if argv[1] == "trainer":
         seeds = [tuple(int(x) for x in p.split(":")) for p in argv[6].split(",")]
         return trainer_main(argv[2], int(argv[3]), argv[4], int(argv[5]), seeds,
