@@ -202,7 +202,7 @@ fn run(args: &Args) -> Result<()> {
         cache.release(seq)?;
     }
     cache.trim();
-    let full = KvCache::new(&ctx, layout)?;
+    let full = Arc::new(KvCache::new(&ctx, layout)?);
     for seq in 0..model.max_batch {
         full.grow(seq, model.max_len)?;
     }

@@ -513,6 +513,21 @@ pub enum KvError {
     /// The cache is asleep: its physical memory is released. Wake it first.
     #[error("the KV cache is asleep: wake it first")]
     Asleep,
+
+    /// One call names a sequence twice (to grow and to release, or to grow twice).
+    #[error("sequence {seq} named twice in one change")]
+    NamedTwice {
+        /// The sequence.
+        seq: usize,
+    },
+
+    /// A change behind a step needs every layer's mark, and no step recorded this one:
+    /// call `mark_layer_done` in the decode step after the layer's attention.
+    #[error("layer {layer} was never marked done by a step: record its mark after the layer's attention")]
+    LayerNotMarked {
+        /// The layer.
+        layer: usize,
+    },
 }
 
 /// Sharing with another process failed: the wire protocol, the peer's answer, or what it offered.

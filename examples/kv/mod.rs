@@ -122,14 +122,17 @@ impl StepIo {
 }
 
 /// One decode step over `cache` as graph work: per layer, the step's token appended at each
-/// sequence's `length - 1`, then attention over its valid tokens. Lengths are read from
-/// `cache`'s device array, so one graph captured at `max_batch` serves every step.
+/// sequence's `length - 1`, then attention over its valid tokens, then the cache's mark that
+/// the step is done with the layer ([`KvCache::mark_layer_done`], for
+/// [`KvCache::change_behind`]). Lengths are read from `cache`'s device array, so one graph
+/// captured at `max_batch` serves every step.
 pub fn step_work(
     kernels: Arc<AttentionKernels>,
     model: Model,
-    cache: &KvCache,
+    cache: &Arc<KvCache>,
     io: StepIo,
 ) -> Result<impl FnMut(&Arc<CudaStream>) -> Result<()> + Send + 'static> {
+    let marks = cache.clone();
     let shape = model.shape(cache);
     let k = (0..model.layers)
         .map(|l| cache.k_ptr(l))
@@ -158,6 +161,7 @@ pub fn step_work(
                 lengths,
                 &io.out(layer),
             )?;
+            marks.mark_layer_done(layer, stream.cu_stream() as u64)?;
         }
         Ok(())
     })
@@ -453,6 +457,23 @@ pub fn serve(
             &vec![f32::NAN; model.layers * model.q_elems()],
         )?;
         replay()?;
+        // Every other step, behind the replay: the next step's growth and a few releases,
+        // layer by layer after each layer's mark (the released rows leave the mirror after
+        // this step's outputs are checked: the replay in flight still reads them).
+        let mut gone = Vec::new();
+        if step % 2 == 1 {
+            let mut next = Vec::new();
+            for seq in 0..model.max_batch {
+                let len = mirror.lengths[seq];
+                if len > 0 && rng.gen_bool(0.05) {
+                    gone.push(seq);
+                } else if len > 0 && len + 1 < cap {
+                    next.push((seq, len + 1));
+                }
+            }
+            cache.change_behind(&next, &gone)?;
+            report.released += gone.len();
+        }
         stream.synchronize().map_err(Error::from)?;
         for layer in 0..model.layers {
             for seq in 0..model.max_batch {
@@ -483,6 +504,9 @@ pub fn serve(
                 }
                 report.checked_outputs += got.len();
             }
+        }
+        for seq in gone {
+            mirror.lengths[seq] = 0;
         }
     }
     report.checked_tokens = check_rows(cache, space, stream, &mirror, run.max_prompt)?;

@@ -7,8 +7,11 @@ and output lengths that arrive and leave. Side by side, in one run:
            initialised, [B, kv_heads, max_len, head_dim] contiguous), one CUDA graph per step.
   stable   stablebuf.KvCache views at B slots ([B, max_len, kv_heads, head_dim] token-major
            rows, seen by attention as a permuted [B, kv_heads, max_len, head_dim]), the same
-           graph; between replays the host grows only the rows whose new token opens a granule
-           and releases the rows of finished requests.
+           graph plus one event-record node per layer (the cache's mark that the step is done
+           with the layer). While a replay runs, the host waits for each layer's mark and then
+           maps that layer's granule for the rows whose next token opens one, and unmaps the
+           rows of requests that just finished (`KvCache.change_behind`): the map calls
+           overlap the replay's later layers (--maps between: all of it between replays).
   budget   stablebuf.KvCache with 4 B slots, admitting a request while the granules of every
            admitted sequence at its full length fit the memory of StaticCache(B).
   dynamic  (--dynamic) eager, no graph: per layer K/V tensors that follow the longest running
@@ -25,8 +28,8 @@ that accepts them and says which kernel torch picks for each.
 What is timed (each decode step):
   step ms  device time of the step's graph replay (CUDA events around replay; nothing else):
            the verdict "step time <= 1.03 x StaticCache" compares these medians.
-  wall ms  host wall time of the whole step: scheduler, grow (maps memory when a row opens a
-           granule), publishing lengths and write rows, replay, synchronize. Reported, and
+  wall ms  host wall time of the whole step: scheduler, publishing lengths and write rows,
+           replay, the maps and releases behind it, synchronize. Reported, and
            compared to StaticCache's too; the map-step verdict uses it (a map costs host time).
   host us  the host part of it before the replay is launched.
   tok/s    decoded tokens / the summed wall time of the decode steps (prefill excluded);
@@ -205,8 +208,12 @@ class Step:
     """The decode step over K/V buffers `kv[layer] = (K, V)` of `[rows, max_len, kv_heads, D]`
     (token-major; rows >= batch: row `batch` may be the scratch row free slots write to)."""
 
-    def __init__(self, model, kv: List[Tuple[torch.Tensor, torch.Tensor]], batch: int, max_len: int, grouped: bool):
+    def __init__(self, model, kv: List[Tuple[torch.Tensor, torch.Tensor]], batch: int, max_len: int, grouped: bool,
+                 layer_done: Optional[Callable[[int], None]] = None):
         self.m = model
+        # Called after each layer's attention (also while captured): the backend marks there
+        # that the step is done with the layer's K and V.
+        self.layer_done = layer_done
         self.kv = kv
         self.batch = batch
         self.grouped = grouped
@@ -240,6 +247,8 @@ class Step:
             kk = keys[:b].permute(0, 2, 1, 3)
             vv = values[:b].permute(0, 2, 1, 3)
             x = x + a.o_proj(attend(q, kk, vv, mask, self.grouped))
+            if self.layer_done is not None:
+                self.layer_done(i)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         logits = m.lm_head(m.model.norm(x))[:, 0]
         nxt = logits.argmax(-1)
@@ -309,6 +318,16 @@ class Backend:
         it mapped memory."""
         return False
 
+    def layer_done(self) -> Optional[Callable[[int], None]]:
+        """What the step calls after each layer's attention (None: nothing)."""
+        return None
+
+    def behind(self, upcoming: List[Tuple[int, int]], finished: List[int]) -> bool:
+        """While the step just launched runs: make room for the next step's `(slot, length)`
+        and give back the finished slots; True when it mapped memory. Slots it released need
+        no `release` after the step."""
+        return False
+
     def release(self, slot: int) -> None:
         pass
 
@@ -320,13 +339,20 @@ class Backend:
 
 
 class Stable(Backend):
-    def __init__(self, cfg, slots: int, max_len: int):
+    def __init__(self, cfg, slots: int, max_len: int, maps: str = "behind", warm: int = 1):
         self.name = "stable"
         self.slots = slots
+        self.maps = maps
         layers, nkv, d = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
         # One more row than slots: free slots write their (masked, unused) token there.
         self.cache = native.KvCache(torch.cuda.current_device(), layers, slots + 1, max_len, nkv, d)
         self.cache.grow(slots, 1)
+        # A server's start: one granule per layer's K and V made ahead, in the free list, so
+        # the first row that opens a granule takes it there instead of from cuMemCreate (the
+        # memory a release keeps does the same for every later one).
+        if warm:
+            self.cache.grow(0, self.cache.tokens_per_granule * warm)
+            self.cache.release(0)
         self.token_bytes = self.cache.token_bytes
         self.granule = self.cache.granule
         self.backed: Dict[int, int] = {}  # granules mapped per row (ahead_tokens is 0)
@@ -356,9 +382,32 @@ class Stable(Backend):
             self.backed[slot] = self._granules(length)
         return True
 
+    def layer_done(self):
+        if self.maps != "behind":
+            return None
+        cache = self.cache
+        return lambda layer: cache.mark_layer_done(layer, torch.cuda.current_stream().cuda_stream)
+
+    def behind(self, upcoming, finished):
+        # Layer by layer, once the step in flight is done with the layer (its mark): the map
+        # calls overlap the step's later layers instead of adding to the time between steps.
+        if self.maps != "behind":
+            return False
+        opening = [(slot, length) for slot, length in upcoming if self._granules(length) > self.backed.get(slot, 0)]
+        gone = [slot for slot in finished if slot in self.backed]
+        if not opening and not gone:
+            return False
+        mapped = self.cache.change_behind(opening, gone)
+        for slot, length in opening:
+            self.backed[slot] = self._granules(length)
+        for slot in gone:
+            del self.backed[slot]
+        return mapped
+
     def release(self, slot):
-        self.cache.release(slot)
-        self.backed.pop(slot, None)
+        if slot in self.backed:  # not released behind the step already
+            self.cache.release(slot)
+            self.backed.pop(slot, None)
 
     def cache_bytes(self):
         return int(self.cache.stats()["bytes"])
@@ -442,7 +491,8 @@ def serve(model, backend: Backend, requests, args, name: str, budget: Optional[i
         f"({plan.map_steps} of them map), up to {plan.peak_running} running")
     began = time.perf_counter()
     rows = backend.kv()
-    step = Step(model, rows, backend.slots, max_len, grouped=args.attention == "grouped")
+    step = Step(model, rows, backend.slots, max_len, grouped=args.attention == "grouped",
+                layer_done=backend.layer_done())
     if backend.scratch_row() is not None:
         step.publish([0] * backend.slots, [backend.scratch_row()] * backend.slots)
     if graph:
@@ -459,6 +509,10 @@ def serve(model, backend: Backend, requests, args, name: str, budget: Optional[i
     wall_s: List[float] = []
     host_s: List[float] = []
     mapped_flags: List[bool] = []
+    # Per mapping step: wall, the maps behind the replay, launch -> their end, step index,
+    # mapped before the replay, mapped behind it, rows opening a granule next, rows finished.
+    map_log: List[tuple] = []
+    tpg = getattr(getattr(backend, "cache", None), "tokens_per_granule", 0) or 1
     bound_ok = True
     peak_cache = 0
     peak_data = 0
@@ -493,8 +547,16 @@ def serve(model, backend: Backend, requests, args, name: str, budget: Optional[i
         before.record()
         replay()
         after.record()
+        upcoming = [(slot, length + 1) for slot, length in grown if slot not in finished]
+        tb = time.perf_counter()
+        behind = backend.behind(upcoming, finished)
+        tb2 = time.perf_counter()
         torch.cuda.synchronize()
         t2 = time.perf_counter()
+        if mapped or behind:
+            map_log.append((t2 - t0, tb2 - tb, tb2 - t1, len(wall_s), mapped, behind,
+                            sum(1 for _, n in upcoming if n % tpg == 1), len(finished)))
+        mapped = mapped or behind
         device_s.append(before.elapsed_time(after) / 1e3)
         host_s.append(t1 - t0)
         wall_s.append(t2 - t0)
@@ -518,6 +580,15 @@ def serve(model, backend: Backend, requests, args, name: str, budget: Optional[i
     torch.cuda.synchronize()
     run = time.perf_counter() - start
     mid_wall, spike = logic.map_spike(wall_s, mapped_flags)
+    if map_log:
+        walls = sorted(m[0] for m in map_log)
+        log(f"{name}: {len(map_log)} mapping steps: wall median {median(walls) * 1e3:.3f} ms, "
+            f"p90 {walls[int(0.9 * (len(walls) - 1))] * 1e3:.3f}, max {walls[-1] * 1e3:.3f} (all steps' median "
+            f"{mid_wall * 1e3:.3f}); over 1.1 x median: {sum(w > 1.1 * mid_wall for w in walls)}")
+        for m in sorted(map_log, reverse=True)[:5]:
+            log(f"{name}:   step {m[3]}: wall {m[0] * 1e3:.3f} ms, maps behind {m[1] * 1e3:.3f} ms "
+                f"(ended {m[2] * 1e3:.3f} ms after launch), mapped before {m[4]}, behind {m[5]}, "
+                f"opening {m[6]}, finished {m[7]}")
     result = {
         "name": name,
         "slots": backend.slots,
@@ -564,6 +635,9 @@ def main() -> None:
                    help="decode attention: GQA as kv_heads groups of queries (default) or SDPA's enable_gqa")
     p.add_argument("--sdpa", choices=("auto", "flash", "efficient", "cudnn", "math"), default="auto",
                    help="SDPA kernel of the decode step, for every backend (default: torch's choice)")
+    p.add_argument("--maps", choices=("behind", "between"), default="behind",
+                   help="where the stable cache maps: behind the step in flight, layer by layer after each "
+                        "layer's mark (default), or between steps")
     p.add_argument("--dynamic", action="store_true", help="also run the eager torch.cat (DynamicCache-like) backend")
     p.add_argument("--skip-dynamic", action="store_true", help=argparse.SUPPRESS)  # the default now
     p.add_argument("--skip-probe", action="store_true", help="no attention probe")
@@ -594,12 +668,13 @@ def main() -> None:
         picks = {} if args.skip_probe else attention_probe(cfg, b, max_len, grouped)
         runs.append(serve(model, Static(model, b, max_len), requests, args, "static"))
         torch.cuda.empty_cache()
-        runs.append(serve(model, Stable(cfg, b, max_len), requests, args, "stable"))
+        runs.append(serve(model, Stable(cfg, b, max_len, args.maps), requests, args, "stable"))
         torch.cuda.empty_cache()
         if args.dynamic:
             runs.append(serve(model, Dynamic(cfg, b), requests, args, "dynamic", graph=False))
             torch.cuda.empty_cache()
-        runs.append(serve(model, Stable(cfg, args.budget_slots * b, max_len), budget_requests, args, "stable@budget",
+        runs.append(serve(model, Stable(cfg, args.budget_slots * b, max_len, args.maps), budget_requests, args,
+                          "stable@budget",
                           budget=budget))
 
     head = (f"{'cache':14} {'slots':>5} {'tok/s':>8} {'step ms':>8} {'p99':>7} {'wall ms':>8} {'p99':>7} {'host us':>8} "

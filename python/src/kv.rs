@@ -254,6 +254,28 @@ impl KvCache {
         })
     }
 
+    /// Records on `stream` (a `CUstream` as an int: `torch.cuda.current_stream().cuda_stream`)
+    /// that the work enqueued so far is done with layer `layer`'s K and V. Call it in the
+    /// decode step after each layer's attention, also while the step is captured (every replay
+    /// then records it), to use `change_behind`.
+    fn mark_layer_done(&self, py: Python<'_>, layer: usize, stream: u64) -> PyResult<()> {
+        self.run(py, move |c| c.mark_layer_done(layer, stream))
+    }
+
+    /// Grows `grow`'s `(seq, length)` and releases `release`'s slots behind the step still
+    /// running: layer by layer, once the step's mark of the layer passed, so the host's map
+    /// calls overlap the step's later layers. Every piece of work that reads the cache must
+    /// record all marks. All or nothing; returns whether any mapping changed.
+    #[pyo3(signature = (grow, release=Vec::new()))]
+    fn change_behind(
+        &self,
+        py: Python<'_>,
+        grow: Vec<(usize, usize)>,
+        release: Vec<usize>,
+    ) -> PyResult<bool> {
+        self.run(py, move |c| c.change_behind(&grow, &release))
+    }
+
     /// Frees slot `seq`: its rows read zeros again, their memory goes to the free list.
     fn release(&self, py: Python<'_>, seq: usize) -> PyResult<()> {
         self.run(py, |c| c.release(seq))

@@ -169,3 +169,80 @@ def test_sleep_and_wake_keep_the_views(torch):
     assert int(keys[0].abs().sum()) == 0  # asleep: zeros, same address
     assert kv.wake() > 0
     assert float(keys[0, :10].float().mean()) == 1.5
+
+
+def test_change_behind_remaps_each_layer_only_after_the_replay_is_done_with_it(torch):
+    """`change_behind` while a captured step runs: every layer's read sleeps first, so a remap
+    made before that layer's mark would change what the replay in flight reads. The replay
+    must see the rows as they were, the next one as they are now, and nothing faults."""
+    import stablebuf
+    from stablebuf import _native
+    from stablebuf.hf import kv_tensors
+
+    layers, batch, max_len, kv_heads, head_dim = 3, 3, 20000, 2, 64  # 8,192 tokens a granule
+    kv = _native.KvCache(torch.cuda.current_device(), layers, batch, max_len, kv_heads, head_dim)
+    with pytest.raises(stablebuf.Error, match="never marked"):
+        kv.change_behind([(0, 1)], [])
+    g = torch.Generator(device="cuda").manual_seed(int.from_bytes(__import__("os").urandom(4), "little"))
+    lengths = {0: 8192, 1: 100}  # row 0 fills its granule exactly; row 2 stays empty
+    for seq, n in lengths.items():
+        kv.grow(seq, n)
+    views = [kv_tensors(kv, layer) for layer in range(layers)]
+    for keys, values in views:
+        for seq, n in lengths.items():
+            keys[seq, :n].copy_(torch.randn(n, kv_heads, head_dim, generator=g, device="cuda"))
+            values[seq, :n].copy_(torch.randn(n, kv_heads, head_dim, generator=g, device="cuda"))
+    torch.cuda.synchronize()
+    # The CPU reference: per layer, per row, the sum of K and V over every token.
+    before = torch.stack([(k.float().sum((1, 2, 3)) + v.float().sum((1, 2, 3))).cpu() for k, v in views])
+    out = torch.empty(layers, batch, device="cuda")
+
+    def step():
+        for layer, (keys, values) in enumerate(views):
+            torch.cuda._sleep(20_000_000)  # ~10 ms: the host remaps meanwhile, if it does not wait
+            out[layer] = keys.float().sum((1, 2, 3)) + values.float().sum((1, 2, 3))
+            kv.mark_layer_done(layer, torch.cuda.current_stream().cuda_stream)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    torch.cuda.synchronize()
+
+    out.fill_(float("nan"))
+    graph.replay()
+    # Row 0 opens its second granule, row 1 ends: both while the replay still runs.
+    assert kv.change_behind([(0, 8193)], [1]) is True
+    torch.cuda.synchronize()  # a fault would raise here
+    torch.testing.assert_close(out.cpu(), before, atol=0.5, rtol=1e-3)
+    assert kv.lengths()[:2] == [8193, 0]
+    stats = kv.stats()
+    assert stats["physical_granules"] == layers * 2 * 2  # row 0's two granules; row 1's freed
+    # The replay after it reads the new state: row 1 zeros, row 0 as before (its new granule
+    # is zeroed), and row 0's token 8192 is writable.
+    for keys, values in views:
+        keys[0, 8192].fill_(2.0)
+    after = before.clone()
+    after[:, 1] = 0
+    after[:, 0] += 2.0 * kv_heads * head_dim
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out.cpu(), after, atol=0.5, rtol=1e-3)
+    # Row 1's granules are free: the last layer's retiring (zeroed, still mapped) until the
+    # next fenced operation. Nothing to change is no change.
+    assert stats["free_granules"] == 2 * layers
+    graph.replay()
+    assert kv.change_behind([(0, 8194)], []) is False
+    torch.cuda.synchronize()
+    # An admission (a fenced grow) unmaps the retiring granules first, then takes them all.
+    kv.grow(2, 5)
+    assert kv.stats()["free_granules"] == 0
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out.cpu(), after, atol=0.5, rtol=1e-3)

@@ -180,7 +180,8 @@ def test_map_spike_and_verdicts():
 def test_kv_cache_is_bound_and_documented():
     assert (_native.KvCache.__doc__ or "").strip()
     for name in ("grow", "grow_many", "release", "share_prefix", "publish_lengths", "sleep",
-                 "wake", "stats", "buffer", "lengths_buffer", "trim", "write_guard"):
+                 "wake", "stats", "buffer", "lengths_buffer", "trim", "write_guard", "mark_layer_done",
+                 "change_behind"):
         assert (getattr(_native.KvCache, name).__doc__ or "").strip(), name
 
 

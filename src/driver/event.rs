@@ -87,3 +87,97 @@ impl Drop for UseMarker {
         });
     }
 }
+
+/// An event a step records where it is done with one part of some memory (a KV cache's
+/// layer), eagerly or inside a stream capture, so the host can change that part's mappings
+/// while the step's later work still runs: [`StepMark::wait`] returns once the most recent
+/// step that recorded it got that far.
+#[derive(Debug)]
+pub(crate) struct StepMark {
+    ctx: Arc<CudaContext>,
+    event: sys::CUevent,
+    /// Recorded inside a capture at least once: a graph may hold a record node of it.
+    captured: std::sync::atomic::AtomicBool,
+}
+
+// SAFETY: a CUevent may be recorded, waited for and destroyed from any thread, and the driver
+// serialises concurrent calls on one event; the mark owns its event and only destroys it on
+// drop, when no reference is left.
+unsafe impl Send for StepMark {}
+// SAFETY: as above: `record` and `wait` take `&self` and are driver calls that are safe to
+// make from several threads at once.
+unsafe impl Sync for StepMark {}
+
+impl StepMark {
+    pub(crate) fn new(ctx: &Arc<CudaContext>) -> Result<Self> {
+        bind_context(ctx)?;
+        let mut event: sys::CUevent = std::ptr::null_mut();
+        traced_raw("cuEventCreate", 0, || {
+            // SAFETY: valid out-pointer; no timing: recording and waiting stay cheap.
+            unsafe {
+                sys::cuEventCreate(
+                    &mut event,
+                    sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32,
+                )
+            }
+        })?;
+        Ok(Self {
+            ctx: ctx.clone(),
+            event,
+            captured: std::sync::atomic::AtomicBool::new(false),
+        })
+    }
+
+    /// Records the mark at the current end of `stream` (a `CUstream` of this context as a
+    /// number; 0: the legacy default stream). Inside a stream capture it becomes an external
+    /// event-record node, so every replay of the graph records it at that point; outside, a
+    /// plain record (the external flag is invalid there).
+    pub(crate) fn record(&self, stream: u64) -> Result<()> {
+        bind_context(&self.ctx)?;
+        let handle = stream as sys::CUstream;
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        traced_raw("cuStreamIsCapturing", 0, || {
+            // SAFETY: valid out-pointer; the stream is one the caller says is live on this
+            // context (a destroyed one is the caller's error, which the driver reports).
+            unsafe { sys::cuStreamIsCapturing(handle, &mut status) }
+        })?;
+        let flags = if status == sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE {
+            self.captured
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+            sys::CUevent_record_flags::CU_EVENT_RECORD_EXTERNAL as u32
+        } else {
+            0
+        };
+        traced_raw("cuEventRecordWithFlags", 0, || {
+            // SAFETY: the event is live; the stream as above.
+            unsafe { sys::cuEventRecordWithFlags(self.event, handle, flags) }
+        })
+    }
+
+    /// Blocks until the work before the mark's most recent record is done (at once if it was
+    /// never recorded, or only inside a graph not launched since).
+    pub(crate) fn wait(&self) -> Result<()> {
+        bind_context(&self.ctx)?;
+        traced_raw("cuEventSynchronize", 0, || {
+            // SAFETY: the event is live.
+            unsafe { sys::cuEventSynchronize(self.event) }
+        })
+    }
+}
+
+impl Drop for StepMark {
+    fn drop(&mut self) {
+        if self.captured.load(std::sync::atomic::Ordering::Relaxed) {
+            // A graph exec may still hold a record node of the event and be replayed after
+            // the cache is gone: keep the event (a few bytes) rather than let that replay
+            // record a destroyed one.
+            return;
+        }
+        let event = self.event;
+        // SAFETY: the event is live, destroyed once, and no graph records it; one still
+        // pending is released by the driver when its work completes.
+        release(&self.ctx, "cuEventDestroy", 0, || unsafe {
+            sys::cuEventDestroy_v2(event)
+        });
+    }
+}

@@ -13,8 +13,14 @@
 //! reads zeros; one that reads only valid tokens takes them from
 //! [`KvCache::lengths_device_ptr`] (`u32` per slot, refreshed by
 //! [`KvCache::publish_lengths`]). A write past a sequence's length is
-//! [`KvError::WritePastLength`](crate::error::KvError::WritePastLength) from
+//! [`KvError::WritePastLength`] from
 //! [`KvCache::write_guard`].
+//!
+//! Behind the step: a decode step that records [`KvCache::mark_layer_done`] after each layer's
+//! attention (captured or not) lets [`KvCache::change_behind`] grow and release sequences
+//! while the step still runs, layer by layer once each mark passed, so the map calls overlap
+//! the step's later layers. A release there remaps nothing: it leaves the rows' granules zeroed
+//! and mapped (retiring: free, reading zeros) until the next fenced operation unmaps them.
 //!
 //! Prefix sharing ([`KvCache::share_prefix`]) maps the prefix's whole granules into both rows
 //! and copies the granule where they diverge; [`KvCache::write_guard`] copies any granule still
@@ -41,13 +47,15 @@ mod stats;
 mod table;
 
 use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::driver::{CudaContext, CudaStream};
 
 use crate::buffer::DeviceBuffer;
+use crate::driver::event::StepMark;
 use crate::driver::traced;
-use crate::error::{Error, LayoutError, Result};
+use crate::error::{Error, KvError, LayoutError, Result};
 use crate::fence::FencePolicy;
 use crate::host::HostStorage;
 use crate::vmm_core::{Backend, Vmm};
@@ -109,6 +117,11 @@ impl DeviceBuffer for KvBuffer<'_> {
 pub struct KvCache {
     state: Mutex<KvState<Vmm>>,
     lane: Arc<CudaStream>,
+    /// One per layer: where the decode step is done with that layer's K and V
+    /// ([`KvCache::mark_layer_done`]), for [`KvCache::change_behind`].
+    marks: Vec<StepMark>,
+    /// Whether each mark was ever recorded.
+    marked: Vec<AtomicBool>,
 }
 
 impl KvCache {
@@ -127,10 +140,15 @@ impl KvCache {
         let backend = Vmm::new(ctx);
         let lane = traced("cuStreamCreate", 0, || ctx.new_stream())?;
         let fence = backend.fence(options.fence);
+        let marks = (0..layout.layers)
+            .map(|_| StepMark::new(ctx))
+            .collect::<Result<Vec<_>>>()?;
         let state = KvState::new(backend, layout, lane.clone(), fence, options.ahead_tokens)?;
         Ok(KvCache {
             state: Mutex::new(state),
             lane,
+            marked: (0..layout.layers).map(|_| AtomicBool::new(false)).collect(),
+            marks,
         })
     }
 
@@ -213,6 +231,40 @@ impl KvCache {
     /// `len` plus the look-ahead with zeroed granules. All or nothing.
     pub fn grow(&self, seq: usize, len: usize) -> Result<()> {
         self.lock().grow(seq, len)
+    }
+
+    /// Records, at the current end of `stream` (a `CUstream` of the cache's device as a
+    /// number; 0: the legacy default stream), that the work before it is done with layer
+    /// `layer`'s K and V. Call it in the decode step right after the layer's attention, also
+    /// while the step is captured: the mark becomes a node of the graph and every replay
+    /// records it, so [`KvCache::change_behind`] can remap a layer while the replay runs the
+    /// layers after it.
+    pub fn mark_layer_done(&self, layer: usize, stream: u64) -> Result<()> {
+        let Some(mark) = self.marks.get(layer) else {
+            return Err(Error::Layout(LayoutError::InvalidShape(format!(
+                "layer {layer} of a {}-layer KV cache",
+                self.marks.len()
+            ))));
+        };
+        mark.record(stream)?;
+        self.marked[layer].store(true, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Grows `grow`'s `(seq, len)` and releases `release`'s sequences while the decode step
+    /// enqueued last still runs: layer by layer, it waits for the step's mark of that layer
+    /// ([`KvCache::mark_layer_done`]) and then remaps that layer's rows, so the next step finds
+    /// its memory mapped and the host's map calls overlap the step's later layers instead of
+    /// adding to the time between steps. Use it only when every piece of work that reads the
+    /// cache records all the marks (the captured step does): the marks stand in for the
+    /// cache's fence here. All or nothing; returns whether any mapping changed.
+    pub fn change_behind(&self, grow: &[(usize, usize)], release: &[usize]) -> Result<bool> {
+        if let Some(layer) = self.marked.iter().position(|m| !m.load(Ordering::Relaxed)) {
+            return Err(KvError::LayerNotMarked { layer }.into());
+        }
+        let marks = &self.marks;
+        self.lock()
+            .change_behind(grow, release, |layer| marks[layer].wait())
     }
 
     /// Frees slot `seq`: its rows map the zero granule again, their granules go to the free

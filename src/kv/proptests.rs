@@ -9,7 +9,7 @@ use proptest::prelude::*;
 
 use super::layout::KvLayout;
 use super::state::KvState;
-use crate::error::{Error, KvError};
+use crate::error::{DriverError, Error, KvError};
 use crate::fence::FencePolicy;
 use crate::host::HostStorage;
 use crate::vmm_core::fake::{Call, Fake, FakeStream};
@@ -44,6 +44,13 @@ enum Op {
     Sleep,
     Wake,
     Publish,
+    /// Grows and releases behind a step in flight, layer by layer; the wait for layer
+    /// `fail_at`'s mark fails (a driver error).
+    Behind {
+        grow: Vec<(usize, usize)>,
+        release: Vec<usize>,
+        fail_at: Option<usize>,
+    },
 }
 
 fn op(max_batch: usize, max_len: usize) -> impl Strategy<Value = Op> {
@@ -58,6 +65,12 @@ fn op(max_batch: usize, max_len: usize) -> impl Strategy<Value = Op> {
         1 => Just(Op::Sleep),
         1 => Just(Op::Wake),
         1 => Just(Op::Publish),
+        4 => (
+            prop::collection::vec((0..max_batch + 1, 0..max_len + 3), 0..3),
+            prop::collection::vec(0..max_batch + 1, 0..2),
+            prop::option::weighted(0.2, 0usize..2),
+        )
+            .prop_map(|(grow, release, fail_at)| Op::Behind { grow, release, fail_at }),
     ]
 }
 
@@ -160,6 +173,35 @@ impl Case {
             Op::Sleep => self.state.sleep(&HostStorage::Pageable).map(drop),
             Op::Wake => self.state.wake().map(drop),
             Op::Publish => self.state.publish_lengths(),
+            Op::Behind {
+                ref grow,
+                ref release,
+                fail_at,
+            } => {
+                if fail_at.is_some() {
+                    // One failure per operation, as every other one: an undo after a failed
+                    // wait maps again, and a driver failure there too is not recoverable.
+                    self.fake.clear_failure();
+                }
+                let mut waited = Vec::new();
+                let result = self
+                    .state
+                    .change_behind(grow, release, |layer| {
+                        waited.push(layer);
+                        if fail_at == Some(layer) {
+                            return Err(Error::Driver(DriverError::Failed {
+                                call: "cuEventSynchronize",
+                                result: cudarc::driver::sys::CUresult::CUDA_ERROR_LAUNCH_FAILED,
+                                bytes: 0,
+                            }));
+                        }
+                        Ok(())
+                    })
+                    .map(drop);
+                // Layers are waited for in order, each once, and none after a failed wait.
+                prop_assert_eq!(&waited, &(0..waited.len()).collect::<Vec<_>>());
+                result
+            }
         };
         // Typed refusals of bad input, decided from the model alone.
         let expected_refusal = match *op {
@@ -177,6 +219,24 @@ impl Case {
             Op::Write {
                 seq, first, count, ..
             } => seq >= max_batch || model.asleep || first + count > model.length(seq, tb),
+            Op::Behind {
+                ref grow,
+                ref release,
+                ..
+            } => {
+                let seqs: Vec<usize> = grow
+                    .iter()
+                    .map(|&(seq, _)| seq)
+                    .chain(release.iter().copied())
+                    .collect();
+                let mut distinct = seqs.clone();
+                distinct.sort_unstable();
+                distinct.dedup();
+                model.asleep
+                    || seqs.iter().any(|&seq| seq >= max_batch)
+                    || distinct.len() != seqs.len()
+                    || grow.iter().any(|&(_, len)| len > max_len)
+            }
             _ => false,
         };
         match &result {
@@ -261,6 +321,27 @@ impl Case {
                     }
                 }
             }
+            Op::Behind {
+                ref grow,
+                ref release,
+                ..
+            } => {
+                for &(seq, len) in grow {
+                    let len = len.max(model.length(seq, tb));
+                    for buffer in &mut model.bytes[seq] {
+                        buffer.resize(len * tb, 0);
+                    }
+                    let target = geometry.granules_for((len + self.ahead).min(max_len));
+                    while model.granules[seq].len() < target {
+                        let id = model.fresh();
+                        model.granules[seq].push(id);
+                    }
+                }
+                for &seq in release {
+                    model.bytes[seq] = vec![Vec::new(); buffers];
+                    model.granules[seq].clear();
+                }
+            }
             Op::Sleep => model.asleep = true,
             Op::Wake => model.asleep = false,
             Op::Publish => {}
@@ -301,9 +382,26 @@ impl Case {
                         .chunk_at(self.state.slot_address(slot))
                         .ok_or_else(|| TestCaseError::fail("unmapped slot"))?;
                     match model.granules[seq].get(g) {
-                        None => prop_assert!(read_only, "an unbacked slot is writable"),
+                        None => {
+                            let retiring = self.state.table.slots[slot].retiring;
+                            prop_assert!(
+                                read_only || retiring,
+                                "an unbacked slot is writable and not retiring"
+                            );
+                            if retiring {
+                                prop_assert_eq!(
+                                    self.state.table.owners(slot),
+                                    1,
+                                    "a retiring granule is shared"
+                                );
+                            }
+                        }
                         Some(&id) => {
                             mapped += 1;
+                            prop_assert!(
+                                !self.state.table.slots[slot].retiring,
+                                "a backed slot is retiring"
+                            );
                             prop_assert!(!read_only, "a backed slot is read-only");
                             // Same model id <=> same chunk, within one buffer.
                             let key = id * geometry.buffers as u64 + buffer as u64;

@@ -46,7 +46,11 @@ impl<B: Backend> KvState<B> {
         } else {
             Vec::new()
         };
-        if let Err(error) = self.fence.wait() {
+        let fenced = self
+            .fence
+            .wait()
+            .and_then(|()| self.settle_retiring(&self.table.retiring()));
+        if let Err(error) = fenced {
             for granule in fresh {
                 self.recycle(granule);
             }

@@ -17,6 +17,7 @@ impl<B: Backend> KvState<B> {
         }
         self.repair()?;
         self.fence.wait()?;
+        self.settle_retiring(&self.table.retiring())?;
         let distinct = self.table.distinct();
         let groups: Vec<Vec<usize>> = distinct.iter().map(|(slots, _)| slots.clone()).collect();
         drop(distinct);

@@ -72,6 +72,7 @@ impl<B: Backend> KvState<B> {
             .map(|mapping| Slot {
                 data: None,
                 mapping: Some(mapping),
+                retiring: false,
             })
             .collect();
         let lengths_bytes = (layout.max_batch * 4).div_ceil(granule) * granule;
@@ -165,6 +166,7 @@ impl<B: Backend> KvState<B> {
         match self.map_slot(slot, data.as_ref()) {
             Ok(mapping) => {
                 self.table.slots[slot].mapping = Some(mapping);
+                self.table.slots[slot].retiring = false;
                 Ok(std::mem::replace(&mut self.table.slots[slot].data, data))
             }
             Err(error) => {
@@ -196,8 +198,22 @@ impl<B: Backend> KvState<B> {
     /// back to the free list.
     pub fn revert(&mut self, undo: Vec<Change<B>>) {
         for (slot, data) in undo.into_iter().rev() {
-            if let Ok(Some(dropped)) = self.set_slot(slot, data) {
-                self.recycle(dropped);
+            let zero = data.is_none();
+            match self.set_slot(slot, data) {
+                Ok(Some(dropped)) => self.recycle(dropped),
+                Ok(None) => {}
+                // Mapping the zero granule failed and the slot still maps a granule no row owns:
+                // it retires (zeroed here, best effort), so it reads zeros and the next fenced
+                // operation or step's tail maps the zero granule there.
+                Err(_) if zero && self.table.slots[slot].data.is_some() => {
+                    self.table.slots[slot].retiring = true;
+                    let address = self.slot_address(slot);
+                    let _ = self
+                        .backend
+                        .fill_zero(&self.lane, address, self.geometry.granule)
+                        .and_then(|()| self.backend.synchronize(&self.lane));
+                }
+                Err(_) => {}
             }
         }
     }
@@ -206,6 +222,38 @@ impl<B: Backend> KvState<B> {
     pub fn recycle(&mut self, granule: Arc<Granule<B>>) {
         if let Ok(granule) = Arc::try_unwrap(granule) {
             self.free.push(granule.memory);
+        }
+    }
+
+    /// Maps the zero granule again over the retiring slots `slots` and keeps their granules
+    /// for reuse. The caller has made sure the GPU is done with them (the fence, or the mark
+    /// of their layer). All or nothing: on error they are all still retiring.
+    pub fn settle_retiring(&mut self, slots: &[usize]) -> Result<()> {
+        if slots.is_empty() {
+            return Ok(());
+        }
+        match self.apply(slots.iter().map(|&slot| (slot, None)).collect()) {
+            Ok(undo) => {
+                for (_, old) in undo {
+                    if let Some(old) = old {
+                        self.recycle(old);
+                    }
+                }
+                Ok(())
+            }
+            Err(error) => {
+                self.mark_retiring(slots);
+                Err(error)
+            }
+        }
+    }
+
+    /// Flags `slots` retiring again where they still map data (after an undo).
+    fn mark_retiring(&mut self, slots: &[usize]) {
+        for &slot in slots {
+            if self.table.slots[slot].data.is_some() {
+                self.table.slots[slot].retiring = true;
+            }
         }
     }
 
@@ -254,6 +302,12 @@ impl<B: Backend> KvState<B> {
             return Ok(());
         }
         let per_row = target - from;
+        // Retiring granules first back to the free list, so this growth reuses them.
+        let retiring = self.table.retiring();
+        if !retiring.is_empty() {
+            self.fence.wait()?;
+            self.settle_retiring(&retiring)?;
+        }
         let mut granules = self.take_granules(per_row * self.geometry.buffers)?;
         if let Err(error) = self.fence.wait() {
             for granule in granules {
@@ -284,6 +338,189 @@ impl<B: Backend> KvState<B> {
         Ok(())
     }
 
+    /// Grows `grow`'s sequences (as [`KvState::grow`]) and releases `release`'s (as
+    /// [`KvState::release`]) layer by layer, behind a step still in flight: before touching a
+    /// layer's K and V it calls `wait_layer(layer)`, which returns once no work reads them any
+    /// more (the step's mark after that layer's attention). The fence is not waited for: the
+    /// marks are the fence. All or nothing. Returns whether any mapping changed.
+    ///
+    /// Remaps while kernels run cost several times their idle cost, and the last marks leave
+    /// little of the step to hide them behind, so a release remaps nothing here: the released
+    /// rows' unshared granules are zeroed on the lane once every mark passed and stay mapped,
+    /// retiring (free, reading zeros), until the next fenced operation (a grow, release, share
+    /// or sleep: an admission) maps the zero granule over them, or a sequence growing over one
+    /// adopts it as it is. Shared granules are unmapped layer by layer.
+    pub fn change_behind(
+        &mut self,
+        grow: &[(usize, usize)],
+        release: &[usize],
+        mut wait_layer: impl FnMut(usize) -> Result<()>,
+    ) -> Result<bool> {
+        self.check_awake()?;
+        let max_len = self.geometry.layout.max_len;
+        let mut named = vec![false; self.geometry.layout.max_batch];
+        for seq in grow
+            .iter()
+            .map(|&(seq, _)| seq)
+            .chain(release.iter().copied())
+        {
+            self.check_seq(seq)?;
+            if std::mem::replace(&mut named[seq], true) {
+                return Err(KvError::NamedTwice { seq }.into());
+            }
+        }
+        if let Some(&(seq, asked)) = grow.iter().find(|&&(_, len)| len > max_len) {
+            return Err(KvError::BeyondMaxLen {
+                seq,
+                asked,
+                max_len,
+            }
+            .into());
+        }
+        self.repair()?;
+        let layers = self.geometry.layout.layers;
+        // (seq, new length, granules backed now, granules wanted) of every row that grows.
+        let growing: Vec<(usize, usize, usize, usize)> = grow
+            .iter()
+            .map(|&(seq, len)| {
+                let len = len.max(self.lengths[seq]);
+                let target = self
+                    .geometry
+                    .granules_for(len.saturating_add(self.ahead).min(max_len));
+                (seq, len, self.backed[seq], target.max(self.backed[seq]))
+            })
+            .collect();
+        let releasing: Vec<usize> = release
+            .iter()
+            .copied()
+            .filter(|&seq| self.backed[seq] > 0)
+            .collect();
+        // Slots the growing rows gain: a retiring one is adopted as it is (zeroed, mapped).
+        let mut gained: Vec<usize> = Vec::new();
+        for buffer in 0..self.geometry.buffers {
+            for &(seq, _, from, to) in &growing {
+                gained.extend((from..to).map(|g| self.geometry.slot(buffer, seq, g)));
+            }
+        }
+        let adopted: Vec<usize> = gained
+            .iter()
+            .copied()
+            .filter(|&slot| self.table.slots[slot].retiring)
+            .collect();
+        let mut granules = self.take_granules(gained.len() - adopted.len())?;
+        // The released rows' unshared granules: zeroed once every mark passed, left retiring.
+        let mut retired: Vec<usize> = Vec::new();
+        for buffer in 0..self.geometry.buffers {
+            for &seq in &releasing {
+                for g in 0..self.backed[seq] {
+                    let slot = self.geometry.slot(buffer, seq, g);
+                    if self.table.owners(slot) == 1 {
+                        retired.push(slot);
+                    }
+                }
+            }
+        }
+        let changed = !gained.is_empty() || !releasing.is_empty();
+        let mut undo: Vec<Change<B>> = Vec::new();
+        let outcome = (|| -> Result<()> {
+            if !changed {
+                return Ok(());
+            }
+            for layer in 0..layers {
+                wait_layer(layer)?;
+                let mut changes: Vec<Change<B>> = Vec::new();
+                let mut fresh = Vec::new();
+                for buffer in [2 * layer, 2 * layer + 1] {
+                    for &(seq, _, from, to) in &growing {
+                        for g in from..to {
+                            let slot = self.geometry.slot(buffer, seq, g);
+                            if !adopted.contains(&slot) {
+                                changes.push((slot, Some(granules.pop().expect("counted above"))));
+                                fresh.push(slot);
+                            }
+                        }
+                    }
+                    for &seq in &releasing {
+                        for g in 0..self.backed[seq] {
+                            let slot = self.geometry.slot(buffer, seq, g);
+                            if !retired.contains(&slot) {
+                                changes.push((slot, None));
+                            }
+                        }
+                    }
+                }
+                undo.extend(self.apply(changes)?);
+                for slot in fresh {
+                    self.backend.fill_zero(
+                        &self.lane,
+                        self.slot_address(slot),
+                        self.geometry.granule,
+                    )?;
+                }
+            }
+            self.backend.synchronize(&self.lane)
+        })();
+        if let Err(error) = outcome {
+            if self.backend.synchronize(&self.lane).is_err() {
+                // The lane may still write there: keep the mappings (and the memory) forever.
+                for (slot, _) in &undo {
+                    if let Some(mapping) = self.table.slots[*slot].mapping.as_mut() {
+                        mapping.leak_on_drop();
+                    }
+                }
+            }
+            // Only layers whose mark was waited for were changed: undoing them is safe too.
+            self.revert(undo);
+            for granule in granules {
+                self.recycle(granule);
+            }
+            return Err(error);
+        }
+        // Committed from here: once zeroing starts, the released rows' last layer cannot be
+        // given back. Zeroing failed: the zero granule is mapped there instead (their mark
+        // passed); that failing too leaves them retiring with their old bytes, and the error.
+        let zeroed = retired
+            .iter()
+            .try_for_each(|&slot| {
+                self.backend
+                    .fill_zero(&self.lane, self.slot_address(slot), self.geometry.granule)
+            })
+            .and_then(|()| self.backend.synchronize(&self.lane));
+        let mut late = Ok(());
+        if let Err(error) = zeroed {
+            // Fills that were enqueued may still run: wait for them before unmapping.
+            late = self.backend.synchronize(&self.lane).and_then(|()| {
+                let settled = self.apply(retired.iter().map(|&slot| (slot, None)).collect())?;
+                undo.extend(settled);
+                retired.clear();
+                Ok(())
+            });
+            if late.is_err() {
+                late = Err(error);
+            }
+        }
+        for (_, old) in undo {
+            if let Some(old) = old {
+                self.recycle(old);
+            }
+        }
+        for &slot in &adopted {
+            self.table.slots[slot].retiring = false;
+        }
+        for &slot in &retired {
+            self.table.slots[slot].retiring = true;
+        }
+        for (seq, len, _, to) in growing {
+            self.backed[seq] = to;
+            self.lengths[seq] = len;
+        }
+        for &seq in release {
+            self.backed[seq] = 0;
+            self.lengths[seq] = 0;
+        }
+        late.map(|()| changed)
+    }
+
     /// Undoes an `apply` that mapped fresh granules over zero slots, after waiting for work
     /// enqueued on them.
     pub fn undo_fresh(&mut self, undo: Vec<Change<B>>) {
@@ -309,6 +546,7 @@ impl<B: Backend> KvState<B> {
             return Ok(());
         }
         self.fence.wait()?;
+        self.settle_retiring(&self.table.retiring())?;
         let mut changes = Vec::new();
         for buffer in 0..self.geometry.buffers {
             for g in 0..self.backed[seq] {

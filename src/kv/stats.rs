@@ -14,7 +14,8 @@ pub struct KvStats {
     pub physical_granules: usize,
     /// Distinct physical granules mapped by more than one row (shared prefixes).
     pub shared_granules: usize,
-    /// Granules kept for reuse after releases (not mapped).
+    /// Granules kept for reuse after releases (unmapped, or retiring: zeroed, mapped at a free
+    /// slot until a later step maps the zero granule there).
     pub free_granules: usize,
     /// Bytes of device memory the cache holds: data and free granules, the zero granule and the
     /// lengths array.
@@ -36,7 +37,8 @@ impl<B: Backend> KvState<B> {
         let mapped_granules = distinct.iter().map(|(slots, _)| slots.len()).sum();
         let shared_granules = distinct.iter().filter(|(slots, _)| slots.len() > 1).count();
         let lengths_bytes = (self.geometry.layout.max_batch * 4).div_ceil(granule) * granule;
-        let held = distinct.len() + self.free.len() + 1;
+        let retiring = self.table.retiring().len();
+        let held = distinct.len() + self.free.len() + retiring + 1;
         debug_assert!(distinct
             .iter()
             .all(|(s, g)| Arc::strong_count(g) == s.len() + 1));
@@ -44,7 +46,7 @@ impl<B: Backend> KvState<B> {
             mapped_granules,
             physical_granules: distinct.len(),
             shared_granules,
-            free_granules: self.free.len(),
+            free_granules: self.free.len() + retiring,
             bytes: held * granule + lengths_bytes,
             unshared_bytes: mapped_granules * granule,
             granule,

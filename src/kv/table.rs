@@ -21,6 +21,11 @@ pub(crate) struct Slot<B: Backend> {
     /// `None` only if restoring a mapping after a driver error failed too; the next operation
     /// maps the zero granule there again ([`super::state::KvState::repair`]).
     pub mapping: Option<B::Mapping>,
+    /// Retiring: `data` is a zeroed granule of no sequence, still mapped read-write, on its way
+    /// back to the free list (a release behind a step leaves the last layer's granules so; a
+    /// later step's tail or the next fenced operation maps the zero granule there again, and a
+    /// sequence that grows over the slot adopts it). Unshared, reads zeros.
+    pub retiring: bool,
 }
 
 /// Every slot of the cache, in address order (slot `i` is at `i · granule`).
@@ -43,11 +48,22 @@ impl<B: Backend> GranuleTable<B> {
         })
     }
 
-    /// The distinct data granules, each once, with every slot that maps it (in address order).
+    /// The retiring slots, in address order.
+    pub fn retiring(&self) -> Vec<usize> {
+        (0..self.slots.len())
+            .filter(|&i| self.slots[i].retiring)
+            .collect()
+    }
+
+    /// The distinct data granules of sequences (retiring ones apart), each once, with every
+    /// slot that maps it (in address order).
     pub fn distinct(&self) -> Vec<(Vec<usize>, Arc<Granule<B>>)> {
         let mut index = std::collections::HashMap::new();
         let mut distinct: Vec<(Vec<usize>, Arc<Granule<B>>)> = Vec::new();
         for (i, slot) in self.slots.iter().enumerate() {
+            if slot.retiring {
+                continue;
+            }
             if let Some(data) = &slot.data {
                 let at = *index.entry(Arc::as_ptr(data) as usize).or_insert_with(|| {
                     distinct.push((Vec::new(), data.clone()));
