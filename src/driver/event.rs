@@ -9,6 +9,23 @@ use cudarc::driver::{sys, CudaContext};
 use super::{bind_context, release, traced_raw};
 use crate::error::Result;
 
+/// A new event of `ctx` without timing (recording and waiting stay cheap); the caller owns it
+/// and destroys it.
+fn untimed_event(ctx: &Arc<CudaContext>) -> Result<sys::CUevent> {
+    bind_context(ctx)?;
+    let mut event: sys::CUevent = std::ptr::null_mut();
+    traced_raw("cuEventCreate", 0, || {
+        // SAFETY: valid out-pointer; the flags are a valid combination.
+        unsafe {
+            sys::cuEventCreate(
+                &mut event,
+                sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32,
+            )
+        }
+    })?;
+    Ok(event)
+}
+
 /// One event, recorded again at each use; destroyed on drop.
 #[derive(Debug)]
 pub(crate) struct UseMarker {
@@ -25,20 +42,9 @@ unsafe impl Send for UseMarker {}
 impl UseMarker {
     /// A new marker for `stream` (a `CUstream` of `ctx`'s device, as a number).
     pub(crate) fn new(ctx: &Arc<CudaContext>, stream: u64) -> Result<Self> {
-        bind_context(ctx)?;
-        let mut event: sys::CUevent = std::ptr::null_mut();
-        traced_raw("cuEventCreate", 0, || {
-            // SAFETY: valid out-pointer; timing off keeps recording and waiting cheap.
-            unsafe {
-                sys::cuEventCreate(
-                    &mut event,
-                    sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32,
-                )
-            }
-        })?;
         Ok(Self {
             ctx: ctx.clone(),
-            event,
+            event: untimed_event(ctx)?,
             stream,
         })
     }
@@ -110,20 +116,9 @@ unsafe impl Sync for StepMark {}
 
 impl StepMark {
     pub(crate) fn new(ctx: &Arc<CudaContext>) -> Result<Self> {
-        bind_context(ctx)?;
-        let mut event: sys::CUevent = std::ptr::null_mut();
-        traced_raw("cuEventCreate", 0, || {
-            // SAFETY: valid out-pointer; no timing: recording and waiting stay cheap.
-            unsafe {
-                sys::cuEventCreate(
-                    &mut event,
-                    sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32,
-                )
-            }
-        })?;
         Ok(Self {
             ctx: ctx.clone(),
-            event,
+            event: untimed_event(ctx)?,
             captured: std::sync::atomic::AtomicBool::new(false),
         })
     }

@@ -204,7 +204,7 @@ impl<B: Backend> KvState<B> {
                 Ok(None) => {}
                 // Mapping the zero granule failed and the slot still maps a granule no row owns:
                 // it retires (zeroed here, best effort), so it reads zeros and the next fenced
-                // operation or step's tail maps the zero granule there.
+                // operation maps the zero granule there.
                 Err(_) if zero && self.table.slots[slot].data.is_some() => {
                     self.table.slots[slot].retiring = true;
                     let address = self.slot_address(slot);
@@ -476,7 +476,7 @@ impl<B: Backend> KvState<B> {
             }
             return Err(error);
         }
-        // Committed from here: once zeroing starts, the released rows' last layer cannot be
+        // Committed from here: once zeroing starts, the released rows' granules cannot be
         // given back. Zeroing failed: the zero granule is mapped there instead (their mark
         // passed); that failing too leaves them retiring with their old bytes, and the error.
         let zeroed = retired

@@ -22,9 +22,9 @@ pub(crate) struct Slot<B: Backend> {
     /// maps the zero granule there again ([`super::state::KvState::repair`]).
     pub mapping: Option<B::Mapping>,
     /// Retiring: `data` is a zeroed granule of no sequence, still mapped read-write, on its way
-    /// back to the free list (a release behind a step leaves the last layer's granules so; a
-    /// later step's tail or the next fenced operation maps the zero granule there again, and a
-    /// sequence that grows over the slot adopts it). Unshared, reads zeros.
+    /// back to the free list (a release behind a step leaves its unshared granules so; the next
+    /// fenced operation maps the zero granule there again, and a sequence that grows over the
+    /// slot adopts it). Unshared, reads zeros.
     pub retiring: bool,
 }
 
