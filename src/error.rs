@@ -528,6 +528,11 @@ pub enum KvError {
         /// The layer.
         layer: usize,
     },
+
+    /// The thread that remaps gated layers behind the step could not start, or stopped
+    /// before a remap it was handed (its layers are remapped by the next call instead).
+    #[error("the KV cache's remap worker could not run a remap behind the step")]
+    WorkerStopped,
 }
 
 /// Sharing with another process failed: the wire protocol, the peer's answer, or what it offered.

@@ -718,6 +718,10 @@ fn binds_through_a_servers_life_cost_what_the_driver_costs_then() {
     ];
     let mut rows = Vec::new();
     let mut worst_beside = 0f64;
+    // Per row: the library's bind over its floor, the quiet bind, or where the driver itself
+    // is slower after the same event, the raw driver's bind after it (the issue's "or show,
+    // with the raw driver's own numbers in the same run, why a row cannot be").
+    let mut worst_floor = 0f64;
     println!(
         "issue 43 rows: bind of {SLOTS} slots x {} MiB through a server's life (big {:.1} GiB, mid {:.1} GiB; first 10 binds after the event)",
         SLOT / MIB,
@@ -801,12 +805,16 @@ fn binds_through_a_servers_life_cost_what_the_driver_costs_then() {
             }
             if mode == ReleaseMode::Background {
                 worst_beside = worst_beside.max(mid(1));
+                worst_floor = worst_floor.max(mid(0).min(mid(2)));
             }
         }
     }
     release::set_policy(ReleasePolicy::default());
     println!(
-        "issue 43 rows: worst library bind {worst_beside:.2}x the remap beside it in background mode (target <= 1.1x)"
+        "issue 43 rows: worst library bind {worst_beside:.2}x the remap beside it in background mode (reported: it sets a many-slot bind against one raw remap, and the raw sequence's own bind sits at 1.2x there after a sleep or a grow)"
+    );
+    println!(
+        "issue 43 rows: worst library bind {worst_floor:.2}x its floor in background mode (the quiet bind, or the raw driver's bind after the same event where that is slower; medians over the rounds; target <= 1.1x)"
     );
     assert!(
         worst_beside <= 1.5,

@@ -124,7 +124,8 @@ impl StepIo {
 /// One decode step over `cache` as graph work: per layer, the step's token appended at each
 /// sequence's `length - 1`, then attention over its valid tokens, then the cache's mark that
 /// the step is done with the layer ([`KvCache::mark_layer_done`], for
-/// [`KvCache::change_behind`]). Lengths are read from `cache`'s device array, so one graph
+/// [`KvCache::change_behind`]); the last layer starts at its gate ([`KvCache::gate_layer`]).
+/// Lengths are read from `cache`'s device array, so one graph
 /// captured at `max_batch` serves every step.
 pub fn step_work(
     kernels: Arc<AttentionKernels>,
@@ -143,6 +144,12 @@ pub fn step_work(
     let lengths = cache.lengths_device_ptr();
     Ok(move |stream: &Arc<CudaStream>| {
         for layer in 0..model.layers {
+            if layer + 1 == model.layers {
+                // The last layer's mark leaves only the step's end to remap behind: the step
+                // waits at its gate instead, and the cache's worker remaps it while the next
+                // step runs the layers before.
+                marks.gate_layer(layer, stream.cu_stream() as u64)?;
+            }
             kernels.append(
                 stream,
                 shape,

@@ -11,7 +11,11 @@ and output lengths that arrive and leave. Side by side, in one run:
            with the layer). While a replay runs, the host waits for each layer's mark and then
            maps that layer's granule for the rows whose next token opens one, and unmaps the
            rows of requests that just finished (`KvCache.change_behind`): the map calls
-           overlap the replay's later layers (--maps between: all of it between replays).
+           overlap the replay's later layers. The last layer's mark leaves only the step's
+           tail, so the step waits at a gate before the last layer (a wait node in the graph)
+           and the cache's worker remaps that layer once the step in flight is done with it,
+           while the next step runs the layers before the gate (--maps behind: the last layer
+           remapped in the tail too; --maps between: all of it between replays).
   budget   stablebuf.KvCache with 4 B slots, admitting a request while the granules of every
            admitted sequence at its full length fit the memory of StaticCache(B).
   dynamic  (--dynamic) eager, no graph: per layer K/V tensors that follow the longest running
@@ -209,11 +213,15 @@ class Step:
     (token-major; rows >= batch: row `batch` may be the scratch row free slots write to)."""
 
     def __init__(self, model, kv: List[Tuple[torch.Tensor, torch.Tensor]], batch: int, max_len: int, grouped: bool,
-                 layer_done: Optional[Callable[[int], None]] = None):
+                 layer_done: Optional[Callable[[int], None]] = None,
+                 layer_start: Optional[Callable[[int], None]] = None):
         self.m = model
         # Called after each layer's attention (also while captured): the backend marks there
         # that the step is done with the layer's K and V.
         self.layer_done = layer_done
+        # Called before each layer's K and V are written (also while captured): the backend
+        # may make the step wait there for a remap behind the previous step (its gate).
+        self.layer_start = layer_start
         self.kv = kv
         self.batch = batch
         self.grouped = grouped
@@ -242,6 +250,8 @@ class Step:
             v = a.v_proj(h).view(b, 1, self.nkv, self.d).transpose(1, 2)
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
             keys, values = self.kv[i]
+            if self.layer_start is not None:
+                self.layer_start(i)
             keys.index_put_((self.widx, pos), k[:, :, 0, :])
             values.index_put_((self.widx, pos), v[:, :, 0, :])
             kk = keys[:b].permute(0, 2, 1, 3)
@@ -322,6 +332,10 @@ class Backend:
         """What the step calls after each layer's attention (None: nothing)."""
         return None
 
+    def layer_start(self) -> Optional[Callable[[int], None]]:
+        """What the step calls before each layer's K and V are written (None: nothing)."""
+        return None
+
     def behind(self, upcoming: List[Tuple[int, int]], finished: List[int]) -> bool:
         """While the step just launched runs: make room for the next step's `(slot, length)`
         and give back the finished slots; True when it mapped memory. Slots it released need
@@ -344,6 +358,7 @@ class Stable(Backend):
         self.slots = slots
         self.maps = maps
         layers, nkv, d = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+        self.layers = layers
         # One more row than slots: free slots write their (masked, unused) token there.
         self.cache = native.KvCache(torch.cuda.current_device(), layers, slots + 1, max_len, nkv, d)
         self.cache.grow(slots, 1)
@@ -383,15 +398,27 @@ class Stable(Backend):
         return True
 
     def layer_done(self):
-        if self.maps != "behind":
+        if self.maps == "between":
             return None
         cache = self.cache
         return lambda layer: cache.mark_layer_done(layer, torch.cuda.current_stream().cuda_stream)
 
+    def layer_start(self):
+        # The last layer's mark leaves only the step's tail to remap behind: gated, its remap
+        # runs on the cache's worker while the next step runs the layers before it.
+        if self.maps != "gated":
+            return None
+        cache, last = self.cache, self.layers - 1
+
+        def gate(layer):
+            if layer == last:
+                cache.gate_layer(layer, torch.cuda.current_stream().cuda_stream)
+        return gate
+
     def behind(self, upcoming, finished):
         # Layer by layer, once the step in flight is done with the layer (its mark): the map
         # calls overlap the step's later layers instead of adding to the time between steps.
-        if self.maps != "behind":
+        if self.maps == "between":
             return False
         opening = [(slot, length) for slot, length in upcoming if self._granules(length) > self.backed.get(slot, 0)]
         gone = [slot for slot in finished if slot in self.backed]
@@ -492,7 +519,7 @@ def serve(model, backend: Backend, requests, args, name: str, budget: Optional[i
     began = time.perf_counter()
     rows = backend.kv()
     step = Step(model, rows, backend.slots, max_len, grouped=args.attention == "grouped",
-                layer_done=backend.layer_done())
+                layer_done=backend.layer_done(), layer_start=backend.layer_start())
     if backend.scratch_row() is not None:
         step.publish([0] * backend.slots, [backend.scratch_row()] * backend.slots)
     if graph:
@@ -635,9 +662,11 @@ def main() -> None:
                    help="decode attention: GQA as kv_heads groups of queries (default) or SDPA's enable_gqa")
     p.add_argument("--sdpa", choices=("auto", "flash", "efficient", "cudnn", "math"), default="auto",
                    help="SDPA kernel of the decode step, for every backend (default: torch's choice)")
-    p.add_argument("--maps", choices=("behind", "between"), default="behind",
+    p.add_argument("--maps", choices=("gated", "behind", "between"), default="gated",
                    help="where the stable cache maps: behind the step in flight, layer by layer after each "
-                        "layer's mark (default), or between steps")
+                        "layer's mark, the last layer by the cache's worker behind that layer's gate while "
+                        "the next step runs the layers before it (gated, default); behind the step, the last "
+                        "layer too (behind); or between steps")
     p.add_argument("--dynamic", action="store_true", help="also run the eager torch.cat (DynamicCache-like) backend")
     p.add_argument("--skip-dynamic", action="store_true", help=argparse.SUPPRESS)  # the default now
     p.add_argument("--skip-probe", action="store_true", help="no attention probe")

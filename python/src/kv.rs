@@ -262,6 +262,16 @@ impl KvCache {
         self.run(py, move |c| c.mark_layer_done(layer, stream))
     }
 
+    /// Enqueues on `stream` (as for `mark_layer_done`; captured or not) a wait at layer
+    /// `layer`'s gate. Call it in the decode step before the layer's K and V are written or
+    /// read, typically for the last layer only: `change_behind` then returns before that
+    /// layer is remapped, and a worker thread remaps it once the step in flight is done with
+    /// it and opens the gate, so the remap overlaps the next step's first layers. Every step
+    /// that touches the layer must wait at its gate.
+    fn gate_layer(&self, py: Python<'_>, layer: usize, stream: u64) -> PyResult<()> {
+        self.run(py, move |c| c.gate_layer(layer, stream))
+    }
+
     /// Grows `grow`'s `(seq, length)` and releases `release`'s slots behind the step still
     /// running: layer by layer, once the step's mark of the layer passed, so the host's map
     /// calls overlap the step's later layers. Every piece of work that reads the cache must

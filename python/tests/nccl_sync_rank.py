@@ -60,6 +60,8 @@ CHUNK = 64 << 10  # several receive operations per version (the model is ~0.7 MB
 STALL_S = 3.0
 LEAK_FDS = 0
 LEAK_MIB = 8.0
+# How _describe_socket names a TCP socket ncclCommAbort left behind (CLOSE state, unbound).
+NCCL_ABORT_SOCKET = "socket AF_INET SOCK_STREAM ('0.0.0.0', 0) (not in /proc/net)"
 #: Deadlines (s) of the kill run's phases; a passing run needs a small part of each (a
 #: trainer's start ~5-10 s, the stall STALL_S, the others under a second).
 PHASES = {
@@ -531,10 +533,15 @@ def kill_main(folder, device, agree_every, store) -> int:
         barrier("before the bare pairs")
         start = time.monotonic()
         intervals = bare_pair_cycles(store, f"kill/bare{rank}", device, gpu)
-        # What the engine may keep: NCCL's worst join/leave alone, once per engine cycle.
+        # What the engine may keep: NCCL's worst join/leave alone, once per engine cycle. The
+        # sockets ncclCommAbort leaves (TCP, CLOSE state, so in no /proc/net table) vary from
+        # abort to abort (1-3 per pair over the runs so far, 2 and 2 in one bare run beside an
+        # engine cycle that kept 3): three bare cycles can miss NCCL's worst, so that kind, and
+        # only that kind, gets one more per cycle. Any other kind, or more, still fails.
         bare_grew = collections.Counter()
         for kind in set().union(*intervals):
-            bare_grew[kind] = max(c[kind] for c in intervals) * (len(after) - 1)
+            slack = 1 if kind == NCCL_ABORT_SOCKET else 0
+            bare_grew[kind] = (max(c[kind] for c in intervals) + slack) * (len(after) - 1)
         say(f"bare pairs (3 join/abort cycles of a PairGroup alone, {time.monotonic() - start:.1f} s): "
             f"descriptors opened per cycle: {[dict(c) or 'none' for c in intervals]}; allowed the "
             f"engine over its {len(after) - 1} cycles: {dict(bare_grew) or 'none'}")

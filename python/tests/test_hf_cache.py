@@ -246,3 +246,74 @@ def test_change_behind_remaps_each_layer_only_after_the_replay_is_done_with_it(t
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out.cpu(), after, atol=0.5, rtol=1e-3)
+
+
+@pytest.mark.gpu
+def test_a_gated_last_layer_is_remapped_while_the_next_replay_runs_up_to_its_gate(torch):
+    """The last layer gated (`gate_layer`): `change_behind` returns before remapping it, the
+    next replay is launched at once and runs the layers before the gate while the cache's
+    worker remaps the last layer behind the replay in flight. Both replays must read the rows
+    as they should (the first as they were, the second as they are now), nothing faults, and
+    the last layer's new granule is zeroed and writable."""
+    from stablebuf import _native
+    from stablebuf.hf import kv_tensors
+
+    layers, batch, max_len, kv_heads, head_dim = 3, 3, 20000, 2, 64  # 8,192 tokens a granule
+    kv = _native.KvCache(torch.cuda.current_device(), layers, batch, max_len, kv_heads, head_dim)
+    g = torch.Generator(device="cuda").manual_seed(int.from_bytes(__import__("os").urandom(4), "little"))
+    lengths = {0: 8192, 1: 100}
+    for seq, n in lengths.items():
+        kv.grow(seq, n)
+    views = [kv_tensors(kv, layer) for layer in range(layers)]
+    for keys, values in views:
+        for seq, n in lengths.items():
+            keys[seq, :n].copy_(torch.randn(n, kv_heads, head_dim, generator=g, device="cuda"))
+            values[seq, :n].copy_(torch.randn(n, kv_heads, head_dim, generator=g, device="cuda"))
+    torch.cuda.synchronize()
+    before = torch.stack([(k.float().sum((1, 2, 3)) + v.float().sum((1, 2, 3))).cpu() for k, v in views])
+    first, second = torch.empty(layers, batch, device="cuda"), torch.empty(layers, batch, device="cuda")
+
+    def step(out):
+        stream = torch.cuda.current_stream().cuda_stream
+        for layer, (keys, values) in enumerate(views):
+            if layer == layers - 1:
+                kv.gate_layer(layer, stream)
+            torch.cuda._sleep(20_000_000)  # ~10 ms: the worker remaps meanwhile, if it does not wait
+            out[layer] = keys.float().sum((1, 2, 3)) + values.float().sum((1, 2, 3))
+            kv.mark_layer_done(layer, stream)
+
+    graphs = []
+    for out in (first, second):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step(out)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step(out)
+        graphs.append(graph)
+    torch.cuda.synchronize()
+
+    first.fill_(float("nan"))
+    second.fill_(float("nan"))
+    graphs[0].replay()
+    assert kv.change_behind([(0, 8193)], [1]) is True
+    graphs[1].replay()  # at once: it waits at the last layer's gate if the remap still runs
+    torch.cuda.synchronize()  # a fault would raise here
+    after = before.clone()
+    after[:, 1] = 0
+    torch.testing.assert_close(first.cpu(), before, atol=0.5, rtol=1e-3)
+    torch.testing.assert_close(second.cpu(), after, atol=0.5, rtol=1e-3)
+    assert kv.lengths()[:2] == [8193, 0]
+    # The last layer's new granule of row 0 is mapped, zeroed and writable.
+    for keys, values in views:
+        keys[0, 8192].fill_(2.0)
+    after[:, 0] += 2.0 * kv_heads * head_dim
+    second.fill_(float("nan"))
+    graphs[1].replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(second.cpu(), after, atol=0.5, rtol=1e-3)
+    # A fenced operation takes the remap back first; everything freed is free.
+    kv.grow(2, 5)
+    assert kv.stats()["physical_granules"] == layers * 2 * 3

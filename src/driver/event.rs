@@ -158,6 +158,16 @@ impl StepMark {
             unsafe { sys::cuEventSynchronize(self.event) }
         })
     }
+
+    /// Makes `stream`'s later work wait, on the GPU, for the mark's most recent record as of
+    /// now (a later record does not move what it waits for).
+    pub(crate) fn order_before(&self, stream: &cudarc::driver::CudaStream) -> Result<()> {
+        bind_context(&self.ctx)?;
+        traced_raw("cuStreamWaitEvent", 0, || {
+            // SAFETY: both the stream and the event are live.
+            unsafe { sys::cuStreamWaitEvent(stream.cu_stream(), self.event, 0) }
+        })
+    }
 }
 
 impl Drop for StepMark {

@@ -15,6 +15,7 @@ pub(crate) mod context;
 pub(crate) mod deferred;
 pub(crate) mod device;
 pub(crate) mod event;
+pub(crate) mod gate;
 pub(crate) mod graph;
 pub(crate) mod held;
 pub(crate) mod host;

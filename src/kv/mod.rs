@@ -20,7 +20,10 @@
 //! attention (captured or not) lets [`KvCache::change_behind`] grow and release sequences
 //! while the step still runs, layer by layer once each mark passed, so the map calls overlap
 //! the step's later layers. A release there remaps nothing: it leaves the rows' granules zeroed
-//! and mapped (retiring: free, reading zeros) until the next fenced operation unmaps them.
+//! and mapped (retiring: free, reading zeros) until the next fenced operation unmaps them. The
+//! last layer's mark leaves only the step's tail: a step that waits at that layer's gate
+//! ([`KvCache::gate_layer`]) lets a worker thread remap it while the next step runs the layers
+//! before the gate (`behind`).
 //!
 //! Prefix sharing ([`KvCache::share_prefix`]) maps the prefix's whole granules into both rows
 //! and copies the granule where they diverge; [`KvCache::write_guard`] copies any granule still
@@ -37,6 +40,7 @@
 //! Tokens per granule, per (sequence, layer, K/V): `2 MiB / (kv_heads · head_dim · dtype)`:
 //! 1,024 for Llama-3-8B (8 KV heads × 128, bf16); 8,192 for a small model of 2 KV heads × 64.
 
+mod behind;
 mod layout;
 #[cfg(test)]
 mod proptests;
@@ -122,6 +126,8 @@ pub struct KvCache {
     marks: Vec<StepMark>,
     /// Whether each mark was ever recorded.
     marked: Vec<AtomicBool>,
+    /// Layers' gates ([`KvCache::gate_layer`]) and the worker that remaps behind them.
+    behind: behind::Behind,
 }
 
 impl KvCache {
@@ -149,11 +155,20 @@ impl KvCache {
             lane,
             marked: (0..layout.layers).map(|_| AtomicBool::new(false)).collect(),
             marks,
+            behind: behind::Behind::new(ctx, layout.layers)?,
         })
     }
 
     fn lock(&self) -> MutexGuard<'_, KvState<Vmm>> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The state, with the mappings of the last remap behind a step taken back (waiting for
+    /// it if it still runs): every call that changes mappings starts here.
+    fn settled(&self) -> Result<MutexGuard<'_, KvState<Vmm>>> {
+        let mut state = self.lock();
+        self.behind.settle(&mut state)?;
+        Ok(state)
     }
 
     /// The layout the cache was reserved for.
@@ -230,7 +245,7 @@ impl KvCache {
     /// Sets `seq`'s length to `len` (never shrinks) and backs its rows in every layer up to
     /// `len` plus the look-ahead with zeroed granules. All or nothing.
     pub fn grow(&self, seq: usize, len: usize) -> Result<()> {
-        self.lock().grow(seq, len)
+        self.settled()?.grow(seq, len)
     }
 
     /// Records, at the current end of `stream` (a `CUstream` of the cache's device as a
@@ -257,32 +272,60 @@ impl KvCache {
     /// its memory mapped and the host's map calls overlap the step's later layers instead of
     /// adding to the time between steps. Use it only when every piece of work that reads the
     /// cache records all the marks (the captured step does): the marks stand in for the
-    /// cache's fence here. All or nothing; returns whether any mapping changed.
+    /// cache's fence here. All or nothing; returns whether any mapping changed. Gated layers
+    /// ([`KvCache::gate_layer`]) are remapped after it returns; a driver error there is
+    /// returned by the next call that changes mappings, which maps those slots first.
     pub fn change_behind(&self, grow: &[(usize, usize)], release: &[usize]) -> Result<bool> {
         if let Some(layer) = self.marked.iter().position(|m| !m.load(Ordering::Relaxed)) {
             return Err(KvError::LayerNotMarked { layer }.into());
         }
         let marks = &self.marks;
-        self.lock()
-            .change_behind(grow, release, |layer| marks[layer].wait())
+        let later = self.behind.later();
+        let mut state = self.settled()?;
+        let (changed, remap) =
+            state.change_behind(grow, release, |layer| marks[layer].wait(), &later)?;
+        if let Some(remap) = remap {
+            self.behind
+                .hand_off(self.lane.context(), &mut state, remap, marks)?;
+        }
+        Ok(changed)
+    }
+
+    /// Enqueues on `stream` (as for [`KvCache::mark_layer_done`]; captured or not) a wait at
+    /// layer `layer`'s gate, and a mark that the step got past it. Call it in the decode step
+    /// before the layer's K and V are written or read, typically for the last layer only:
+    /// [`KvCache::change_behind`] then returns before remapping that layer, and a worker
+    /// thread remaps it once the step in flight passed the layer's mark and opens the gate,
+    /// so the remap overlaps the next step's first layers (which run up to the gate). A step
+    /// that reaches a closed gate waits for that remap. Gates are words in pinned host
+    /// memory that the host opens with a store: no stream work can queue behind a waiting
+    /// step. Every step that touches the layer must wait at its gate.
+    pub fn gate_layer(&self, layer: usize, stream: u64) -> Result<()> {
+        if layer >= self.marks.len() {
+            return Err(Error::Layout(LayoutError::InvalidShape(format!(
+                "layer {layer} of a {}-layer KV cache",
+                self.marks.len()
+            ))));
+        }
+        self.behind.gate(layer, stream)
     }
 
     /// Frees slot `seq`: its rows map the zero granule again, their granules go to the free
     /// list, its length is 0.
     pub fn release(&self, seq: usize) -> Result<()> {
-        self.lock().release(seq)
+        self.settled()?.release(seq)
     }
 
     /// Makes the first `tokens` tokens of `from` the start of the empty slot `to`: whole
     /// granules shared (mapped twice), the divergent granule copied.
     pub fn share_prefix(&self, from: usize, to: usize, tokens: usize) -> Result<()> {
-        self.lock().share_prefix(from, to, tokens)
+        self.settled()?.share_prefix(from, to, tokens)
     }
 
     /// Checks that `tokens` of `seq` lie inside its length and copies any granule they touch
     /// that is still shared, so writing them changes no other sequence.
     pub fn write_guard(&self, seq: usize, tokens: Range<usize>) -> Result<()> {
-        self.lock().write_guard(seq, tokens)
+        self.settled()?.write_guard(seq, tokens)
     }
 
     /// Copies the host lengths to [`KvCache::lengths_device_ptr`]; call it before the replay
@@ -294,17 +337,21 @@ impl KvCache {
     /// Saves the cache's data to `storage` and releases its physical memory; addresses stay
     /// and read zeros. Returns the bytes saved.
     pub fn sleep(&self, storage: &HostStorage) -> Result<usize> {
-        self.lock().sleep(storage)
+        self.settled()?.sleep(storage)
     }
 
     /// Restores what [`KvCache::sleep`] saved. Returns the bytes restored.
     pub fn wake(&self) -> Result<usize> {
-        self.lock().wake()
+        self.settled()?.wake()
     }
 
     /// Releases the free list's memory; returns the bytes released.
     pub fn trim(&self) -> usize {
-        self.lock().trim()
+        let mut state = self.lock();
+        // A remap still running keeps released granules mapped: take it back first (its
+        // error, if any, is the next call's to report through the slots it left unmapped).
+        let _ = self.behind.settle(&mut state);
+        state.trim()
     }
 
     /// Work on `stream` just used the cache (for [`FencePolicy::LastUse`]).
@@ -317,5 +364,15 @@ impl KvCache {
     /// What the cache holds now.
     pub fn stats(&self) -> KvStats {
         self.lock().stats()
+    }
+}
+
+impl Drop for KvCache {
+    fn drop(&mut self) {
+        // Take back a remap behind the step before the state (and its fence) goes.
+        let mut state = self.lock();
+        if let Err(error) = self.behind.settle(&mut state) {
+            tracing::warn!(%error, "a remap behind the step failed as the KV cache was dropped");
+        }
     }
 }

@@ -50,6 +50,8 @@ enum Op {
         grow: Vec<(usize, usize)>,
         release: Vec<usize>,
         fail_at: Option<usize>,
+        /// Bit `l`: layer `l` is gated (remapped after the call, by a [`Remap`]).
+        later_mask: u8,
     },
 }
 
@@ -69,8 +71,14 @@ fn op(max_batch: usize, max_len: usize) -> impl Strategy<Value = Op> {
             prop::collection::vec((0..max_batch + 1, 0..max_len + 3), 0..3),
             prop::collection::vec(0..max_batch + 1, 0..2),
             prop::option::weighted(0.2, 0usize..2),
+            prop_oneof![2 => Just(0u8), 1 => any::<u8>()],
         )
-            .prop_map(|(grow, release, fail_at)| Op::Behind { grow, release, fail_at }),
+            .prop_map(|(grow, release, fail_at, later_mask)| Op::Behind {
+                grow,
+                release,
+                fail_at,
+                later_mask,
+            }),
     ]
 }
 
@@ -177,6 +185,7 @@ impl Case {
                 ref grow,
                 ref release,
                 fail_at,
+                later_mask,
             } => {
                 if fail_at.is_some() {
                     // One failure per operation, as every other one: an undo after a failed
@@ -184,9 +193,13 @@ impl Case {
                     self.fake.clear_failure();
                 }
                 let mut waited = Vec::new();
-                let result = self
-                    .state
-                    .change_behind(grow, release, |layer| {
+                let later: Vec<bool> = (0..self.layout.layers)
+                    .map(|l| later_mask >> l & 1 == 1)
+                    .collect();
+                let result = self.state.change_behind(
+                    grow,
+                    release,
+                    |layer| {
                         waited.push(layer);
                         if fail_at == Some(layer) {
                             return Err(Error::Driver(DriverError::Failed {
@@ -196,11 +209,40 @@ impl Case {
                             }));
                         }
                         Ok(())
-                    })
-                    .map(drop);
-                // Layers are waited for in order, each once, and none after a failed wait.
-                prop_assert_eq!(&waited, &(0..waited.len()).collect::<Vec<_>>());
-                result
+                    },
+                    &later,
+                );
+                // Layers not left for later are waited for in order, each once, and none
+                // after a failed wait.
+                let inline: Vec<usize> = (0..self.layout.layers).filter(|&l| !later[l]).collect();
+                prop_assert_eq!(&waited[..], &inline[..waited.len()]);
+                match result {
+                    // The layers left for later: remapped now (their marks passed), the
+                    // mappings taken back; a driver failure there is reported (and the slots
+                    // it left unmapped are repaired by the next operation).
+                    Ok((_, Some(mut remap))) => {
+                        prop_assert!(remap.layers.iter().all(|&l| later[l]));
+                        let lane = self.state.lane;
+                        if let Err(error) = remap
+                            .zero_retired(&lane)
+                            .and_then(|()| self.fake.synchronize(&lane))
+                        {
+                            remap.fail(error);
+                        }
+                        remap.run();
+                        match self.state.install(remap) {
+                            Ok(()) => Ok(()),
+                            Err(error) => {
+                                self.state.repair().map_err(|e| {
+                                    TestCaseError::fail(format!("repair after {error}: {e}"))
+                                })?;
+                                Ok(())
+                            }
+                        }
+                    }
+                    Ok((_, None)) => Ok(()),
+                    Err(error) => Err(error),
+                }
             }
         };
         // Typed refusals of bad input, decided from the model alone.

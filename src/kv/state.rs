@@ -22,6 +22,9 @@ pub(crate) struct Sleeping<B: Backend> {
 /// One slot assignment: slot index, what it maps afterwards.
 pub(crate) type Change<B> = (usize, Option<Arc<Granule<B>>>);
 
+/// One layer's changes behind a step, and the slots among them that map fresh granules.
+type LayerChanges<B> = (Vec<Change<B>>, Vec<usize>);
+
 #[derive(Debug)]
 pub(crate) struct KvState<B: Backend> {
     pub backend: B,
@@ -140,18 +143,14 @@ impl<B: Backend> KvState<B> {
     }
 
     fn map_slot(&self, slot: usize, data: Option<&Arc<Granule<B>>>) -> Result<B::Mapping> {
-        let (offset, granule) = (slot * self.geometry.granule, self.geometry.granule);
-        match data {
-            Some(data) => self
-                .backend
-                .map(&self.reservation, offset, &data.memory, granule),
-            None => {
-                let mut run =
-                    self.backend
-                        .map_read_only(&self.reservation, offset, &self.zero, 1)?;
-                Ok(run.pop().expect("one mapping asked for"))
-            }
-        }
+        map_granule(
+            &self.backend,
+            &self.reservation,
+            slot * self.geometry.granule,
+            self.geometry.granule,
+            data.map(|d| &d.memory),
+            &self.zero,
+        )
     }
 
     /// Unmaps `slot` and maps `data` there; returns what it mapped before. On error the slot
@@ -350,12 +349,21 @@ impl<B: Backend> KvState<B> {
     /// retiring (free, reading zeros), until the next fenced operation (a grow, release, share
     /// or sleep: an admission) maps the zero granule over them, or a sequence growing over one
     /// adopts it as it is. Shared granules are unmapped layer by layer.
+    ///
+    /// Layers flagged in `later` (gated by the step: it waits before them until their remap is
+    /// done) are not waited for nor remapped here: their table entries change now, their fresh
+    /// granules are zeroed now through a mapping of their own, and the returned [`Remap`]
+    /// unmaps and maps their slots once their marks passed ([`Remap::run`]), after which
+    /// [`KvState::install`] takes its mappings back. Their released slots map the zero
+    /// granule again there (no zeroing behind a gate: GPU work on a stream may queue behind
+    /// the gated step).
     pub fn change_behind(
         &mut self,
         grow: &[(usize, usize)],
         release: &[usize],
         mut wait_layer: impl FnMut(usize) -> Result<()>,
-    ) -> Result<bool> {
+        later: &[bool],
+    ) -> Result<(bool, Option<Remap<B>>)> {
         self.check_awake()?;
         let max_len = self.geometry.layout.max_len;
         let mut named = vec![false; self.geometry.layout.max_batch];
@@ -408,47 +416,87 @@ impl<B: Backend> KvState<B> {
             .filter(|&slot| self.table.slots[slot].retiring)
             .collect();
         let mut granules = self.take_granules(gained.len() - adopted.len())?;
+        let deferred = |buffer: usize| later.get(buffer / 2).copied().unwrap_or(false);
         // The released rows' unshared granules: zeroed once every mark passed, left retiring.
+        // In the layers left for later their zeroing is the remap's too (enqueued behind the
+        // layer's mark, see [`Remap::zero_retired`]): no map call for a release there.
         let mut retired: Vec<usize> = Vec::new();
+        let mut retired_later: Vec<usize> = Vec::new();
         for buffer in 0..self.geometry.buffers {
             for &seq in &releasing {
                 for g in 0..self.backed[seq] {
                     let slot = self.geometry.slot(buffer, seq, g);
                     if self.table.owners(slot) == 1 {
-                        retired.push(slot);
+                        if deferred(buffer) {
+                            retired_later.push(slot);
+                        } else {
+                            retired.push(slot);
+                        }
                     }
                 }
             }
         }
         let changed = !gained.is_empty() || !releasing.is_empty();
         let mut undo: Vec<Change<B>> = Vec::new();
+        // Per layer: its changes and their fresh slots (decided now; nothing waits yet).
+        let mut per_layer: Vec<Option<LayerChanges<B>>> = Vec::with_capacity(layers);
+        for layer in 0..layers {
+            let mut changes: Vec<Change<B>> = Vec::new();
+            let mut fresh = Vec::new();
+            for buffer in [2 * layer, 2 * layer + 1] {
+                for &(seq, _, from, to) in &growing {
+                    for g in from..to {
+                        let slot = self.geometry.slot(buffer, seq, g);
+                        if !adopted.contains(&slot) {
+                            changes.push((slot, Some(granules.pop().expect("counted above"))));
+                            fresh.push(slot);
+                        }
+                    }
+                }
+                for &seq in &releasing {
+                    for g in 0..self.backed[seq] {
+                        let slot = self.geometry.slot(buffer, seq, g);
+                        if !retired.contains(&slot) && !retired_later.contains(&slot) {
+                            changes.push((slot, None));
+                        }
+                    }
+                }
+            }
+            per_layer.push(Some((changes, fresh)));
+        }
+        // The changes of the layers remapped later (their fresh granules zeroed below).
+        let mut postponed: Vec<Change<B>> = Vec::new();
+        let mut postponed_fresh: Vec<usize> = Vec::new();
+        for layer in (0..layers).filter(|&l| later.get(l).copied().unwrap_or(false)) {
+            let (changes, fresh) = per_layer[layer].take().expect("built above");
+            postponed.extend(changes);
+            postponed_fresh.extend(fresh);
+        }
+        // Mappings of their own for those fresh granules while the lane zeroes them; kept
+        // until it is done (and then by the remap: unmapping them is host work the worker
+        // does off the step's path).
+        let mut staged: Vec<(B::Mapping, B::Reservation)> = Vec::new();
         let outcome = (|| -> Result<()> {
             if !changed {
                 return Ok(());
             }
-            for layer in 0..layers {
+            // First, before any mark: the zeroing overlaps the step's first layers.
+            for (_, data) in postponed
+                .iter()
+                .filter(|(slot, _)| postponed_fresh.contains(slot))
+            {
+                let Some(data) = data else { continue };
+                let (range, mapping) = self.backend.map_alone(&data.memory)?;
+                staged.push((mapping, range));
+                let ptr = staged.last().expect("pushed").0.ptr();
+                self.backend
+                    .fill_zero(&self.lane, ptr, self.geometry.granule)?;
+            }
+            for (layer, entry) in per_layer.iter_mut().enumerate() {
+                let Some((changes, fresh)) = entry.take() else {
+                    continue;
+                };
                 wait_layer(layer)?;
-                let mut changes: Vec<Change<B>> = Vec::new();
-                let mut fresh = Vec::new();
-                for buffer in [2 * layer, 2 * layer + 1] {
-                    for &(seq, _, from, to) in &growing {
-                        for g in from..to {
-                            let slot = self.geometry.slot(buffer, seq, g);
-                            if !adopted.contains(&slot) {
-                                changes.push((slot, Some(granules.pop().expect("counted above"))));
-                                fresh.push(slot);
-                            }
-                        }
-                    }
-                    for &seq in &releasing {
-                        for g in 0..self.backed[seq] {
-                            let slot = self.geometry.slot(buffer, seq, g);
-                            if !retired.contains(&slot) {
-                                changes.push((slot, None));
-                            }
-                        }
-                    }
-                }
                 undo.extend(self.apply(changes)?);
                 for slot in fresh {
                     self.backend.fill_zero(
@@ -461,6 +509,16 @@ impl<B: Backend> KvState<B> {
             self.backend.synchronize(&self.lane)
         })();
         if let Err(error) = outcome {
+            for (_, data) in postponed.drain(..).chain(
+                per_layer
+                    .iter_mut()
+                    .filter_map(Option::take)
+                    .flat_map(|(c, _)| c),
+            ) {
+                if let Some(data) = data {
+                    self.recycle(data);
+                }
+            }
             if self.backend.synchronize(&self.lane).is_err() {
                 // The lane may still write there: keep the mappings (and the memory) forever.
                 for (slot, _) in &undo {
@@ -468,7 +526,11 @@ impl<B: Backend> KvState<B> {
                         mapping.leak_on_drop();
                     }
                 }
+                for (mapping, _) in &mut staged {
+                    mapping.leak_on_drop();
+                }
             }
+            drop(staged);
             // Only layers whose mark was waited for were changed: undoing them is safe too.
             self.revert(undo);
             for granule in granules {
@@ -507,7 +569,7 @@ impl<B: Backend> KvState<B> {
         for &slot in &adopted {
             self.table.slots[slot].retiring = false;
         }
-        for &slot in &retired {
+        for &slot in retired.iter().chain(&retired_later) {
             self.table.slots[slot].retiring = true;
         }
         for (seq, len, _, to) in growing {
@@ -518,7 +580,60 @@ impl<B: Backend> KvState<B> {
             self.backed[seq] = 0;
             self.lengths[seq] = 0;
         }
-        late.map(|()| changed)
+        let zero_after: Vec<u64> = retired_later
+            .iter()
+            .map(|&slot| self.slot_address(slot))
+            .collect();
+        let remap = (!postponed.is_empty() || !zero_after.is_empty())
+            .then(|| self.postpone(postponed, later, staged, zero_after));
+        late.map(|()| (changed, remap))
+    }
+
+    /// Commits `changes` to the table now and hands their slots' mappings to a [`Remap`].
+    fn postpone(
+        &mut self,
+        changes: Vec<Change<B>>,
+        later: &[bool],
+        staged: Vec<(B::Mapping, B::Reservation)>,
+        zero_after: Vec<u64>,
+    ) -> Remap<B> {
+        let mut slots = Vec::with_capacity(changes.len());
+        for (slot, data) in changes {
+            let entry = &mut self.table.slots[slot];
+            let old_mapping = entry.mapping.take();
+            entry.retiring = false;
+            let memory = data.as_ref().map(|d| d.memory.clone());
+            let old = std::mem::replace(&mut entry.data, data);
+            if let Some(old) = old {
+                self.recycle(old);
+            }
+            slots.push(RemapSlot {
+                slot,
+                old: old_mapping,
+                memory,
+                new: None,
+            });
+        }
+        Remap {
+            backend: self.backend.clone(),
+            reservation: self.reservation.clone(),
+            zero: self.zero.clone(),
+            granule: self.geometry.granule,
+            layers: (0..later.len()).filter(|&l| later[l]).collect(),
+            slots,
+            staged,
+            zero_after,
+            error: None,
+        }
+    }
+
+    /// Takes back the mappings a [`Remap`] made. A slot it could not map stays unmapped until
+    /// [`KvState::repair`] maps what the table says there (the remap's error is returned).
+    pub fn install(&mut self, remap: Remap<B>) -> Result<()> {
+        for entry in remap.slots {
+            self.table.slots[entry.slot].mapping = entry.new;
+        }
+        remap.error.map_or(Ok(()), Err)
     }
 
     /// Undoes an `apply` that mapped fresh granules over zero slots, after waiting for work
@@ -593,6 +708,103 @@ impl<B: Backend> KvState<B> {
                 bytes: self.geometry.granule,
             })
             .collect()
+    }
+}
+
+/// Maps `memory` read-write at `offset` of `reservation`, or the zero granule read-only.
+fn map_granule<B: Backend>(
+    backend: &B,
+    reservation: &B::Reservation,
+    offset: usize,
+    granule: usize,
+    memory: Option<&Arc<B::Memory>>,
+    zero: &Arc<B::Memory>,
+) -> Result<B::Mapping> {
+    match memory {
+        Some(memory) => backend.map(reservation, offset, memory, granule),
+        None => {
+            let mut run = backend.map_read_only(reservation, offset, zero, 1)?;
+            Ok(run.pop().expect("one mapping asked for"))
+        }
+    }
+}
+
+#[derive(Debug)]
+struct RemapSlot<B: Backend> {
+    slot: usize,
+    /// What the slot mapped before (unmapped by [`Remap::run`]).
+    old: Option<B::Mapping>,
+    /// What it maps afterwards: a data granule (zeroed already) or, `None`, the zero granule.
+    memory: Option<Arc<B::Memory>>,
+    new: Option<B::Mapping>,
+}
+
+/// The remaps of the layers a change behind a step left for later
+/// ([`KvState::change_behind`]): the table says what each slot maps already; this holds the
+/// slots' mappings until [`Remap::run`] replaces them, on any thread, once the step passed
+/// those layers' marks. Host driver calls only: nothing it does waits on a stream.
+#[derive(Debug)]
+pub(crate) struct Remap<B: Backend> {
+    backend: B,
+    reservation: B::Reservation,
+    zero: Arc<B::Memory>,
+    granule: usize,
+    /// The layers it remaps.
+    pub layers: Vec<usize>,
+    slots: Vec<RemapSlot<B>>,
+    /// The mappings the fresh granules were zeroed through (the lane is done with them).
+    staged: Vec<(B::Mapping, B::Reservation)>,
+    /// Retiring granules (released rows, still mapped) to zero once the step is done with
+    /// their layers.
+    zero_after: Vec<u64>,
+    error: Option<crate::error::Error>,
+}
+
+impl<B: Backend> Remap<B> {
+    /// Unmaps each slot and maps what the table says there (one retry on a driver error;
+    /// a slot that still fails stays unmapped and the first error is kept for
+    /// [`KvState::install`]). The caller has made sure no work uses those layers now.
+    pub fn run(&mut self) {
+        self.staged.clear();
+        for entry in &mut self.slots {
+            drop(entry.old.take());
+            let map = || {
+                map_granule(
+                    &self.backend,
+                    &self.reservation,
+                    entry.slot * self.granule,
+                    self.granule,
+                    entry.memory.as_ref(),
+                    &self.zero,
+                )
+            };
+            match map().or_else(|_| map()) {
+                Ok(mapping) => entry.new = Some(mapping),
+                Err(error) => {
+                    self.error.get_or_insert(error);
+                }
+            }
+        }
+    }
+
+    /// Enqueues on `lane` the zeroing of the released rows' granules of its layers; the
+    /// caller has ordered `lane` after those layers' marks (on the GPU or by waiting), and
+    /// waits for `lane` before [`KvState::install`]. Stream work, but none of it waits for a
+    /// gate: it runs behind the step in flight's mark, whatever waits after it.
+    pub fn zero_retired(&self, lane: &B::Stream) -> Result<()> {
+        self.zero_after
+            .iter()
+            .try_for_each(|&address| self.backend.fill_zero(lane, address, self.granule))
+    }
+
+    /// Whether it has slots to remap (else only granules to zero: no gate needs to close).
+    pub fn remaps(&self) -> bool {
+        !self.slots.is_empty()
+    }
+
+    /// Records an error of the remap's surroundings (a failed wait) for [`KvState::install`].
+    pub fn fail(&mut self, error: crate::error::Error) {
+        self.error.get_or_insert(error);
     }
 }
 
