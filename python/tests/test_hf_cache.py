@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import os
 
 import pytest
 
@@ -171,20 +172,17 @@ def test_sleep_and_wake_keep_the_views(torch):
     assert float(keys[0, :10].float().mean()) == 1.5
 
 
-def test_change_behind_remaps_each_layer_only_after_the_replay_is_done_with_it(torch):
-    """`change_behind` while a captured step runs: every layer's read sleeps first, so a remap
-    made before that layer's mark would change what the replay in flight reads. The replay
-    must see the rows as they were, the next one as they are now, and nothing faults."""
-    import stablebuf
+def _behind_cache(torch, layers, batch, kv_heads, head_dim):
+    """A cache of 8,192 tokens a granule (head_dim 64, 2 KV heads) with fresh random rows:
+    row 0 fills its granule exactly, row 1 holds 100 tokens, row 2 stays empty. Returns it,
+    its views, and the CPU reference: per layer, per row, the sum of K and V over every
+    token."""
     from stablebuf import _native
     from stablebuf.hf import kv_tensors
 
-    layers, batch, max_len, kv_heads, head_dim = 3, 3, 20000, 2, 64  # 8,192 tokens a granule
-    kv = _native.KvCache(torch.cuda.current_device(), layers, batch, max_len, kv_heads, head_dim)
-    with pytest.raises(stablebuf.Error, match="never marked"):
-        kv.change_behind([(0, 1)], [])
-    g = torch.Generator(device="cuda").manual_seed(int.from_bytes(__import__("os").urandom(4), "little"))
-    lengths = {0: 8192, 1: 100}  # row 0 fills its granule exactly; row 2 stays empty
+    kv = _native.KvCache(torch.cuda.current_device(), layers, batch, 20000, kv_heads, head_dim)
+    g = torch.Generator(device="cuda").manual_seed(int.from_bytes(os.urandom(4), "little"))
+    lengths = {0: 8192, 1: 100}
     for seq, n in lengths.items():
         kv.grow(seq, n)
     views = [kv_tensors(kv, layer) for layer in range(layers)]
@@ -193,8 +191,20 @@ def test_change_behind_remaps_each_layer_only_after_the_replay_is_done_with_it(t
             keys[seq, :n].copy_(torch.randn(n, kv_heads, head_dim, generator=g, device="cuda"))
             values[seq, :n].copy_(torch.randn(n, kv_heads, head_dim, generator=g, device="cuda"))
     torch.cuda.synchronize()
-    # The CPU reference: per layer, per row, the sum of K and V over every token.
     before = torch.stack([(k.float().sum((1, 2, 3)) + v.float().sum((1, 2, 3))).cpu() for k, v in views])
+    return kv, views, before
+
+
+def test_change_behind_remaps_each_layer_only_after_the_replay_is_done_with_it(torch):
+    """`change_behind` while a captured step runs: every layer's read sleeps first, so a remap
+    made before that layer's mark would change what the replay in flight reads. The replay
+    must see the rows as they were, the next one as they are now, and nothing faults."""
+    import stablebuf
+
+    layers, batch, kv_heads, head_dim = 3, 3, 2, 64
+    kv, views, before = _behind_cache(torch, layers, batch, kv_heads, head_dim)
+    with pytest.raises(stablebuf.Error, match="never marked"):
+        kv.change_behind([(0, 1)], [])
     out = torch.empty(layers, batch, device="cuda")
 
     def step():
@@ -248,29 +258,14 @@ def test_change_behind_remaps_each_layer_only_after_the_replay_is_done_with_it(t
     torch.testing.assert_close(out.cpu(), after, atol=0.5, rtol=1e-3)
 
 
-@pytest.mark.gpu
 def test_a_gated_last_layer_is_remapped_while_the_next_replay_runs_up_to_its_gate(torch):
     """The last layer gated (`gate_layer`): `change_behind` returns before remapping it, the
     next replay is launched at once and runs the layers before the gate while the cache's
     worker remaps the last layer behind the replay in flight. Both replays must read the rows
     as they should (the first as they were, the second as they are now), nothing faults, and
     the last layer's new granule is zeroed and writable."""
-    from stablebuf import _native
-    from stablebuf.hf import kv_tensors
-
-    layers, batch, max_len, kv_heads, head_dim = 3, 3, 20000, 2, 64  # 8,192 tokens a granule
-    kv = _native.KvCache(torch.cuda.current_device(), layers, batch, max_len, kv_heads, head_dim)
-    g = torch.Generator(device="cuda").manual_seed(int.from_bytes(__import__("os").urandom(4), "little"))
-    lengths = {0: 8192, 1: 100}
-    for seq, n in lengths.items():
-        kv.grow(seq, n)
-    views = [kv_tensors(kv, layer) for layer in range(layers)]
-    for keys, values in views:
-        for seq, n in lengths.items():
-            keys[seq, :n].copy_(torch.randn(n, kv_heads, head_dim, generator=g, device="cuda"))
-            values[seq, :n].copy_(torch.randn(n, kv_heads, head_dim, generator=g, device="cuda"))
-    torch.cuda.synchronize()
-    before = torch.stack([(k.float().sum((1, 2, 3)) + v.float().sum((1, 2, 3))).cpu() for k, v in views])
+    layers, batch, kv_heads, head_dim = 3, 3, 2, 64
+    kv, views, before = _behind_cache(torch, layers, batch, kv_heads, head_dim)
     first, second = torch.empty(layers, batch, device="cuda"), torch.empty(layers, batch, device="cuda")
 
     def step(out):

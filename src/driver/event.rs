@@ -26,6 +26,29 @@ fn untimed_event(ctx: &Arc<CudaContext>) -> Result<sys::CUevent> {
     Ok(event)
 }
 
+/// Blocks until the work before `event`'s most recent record is done (`cuEventSynchronize`).
+fn host_wait(ctx: &Arc<CudaContext>, event: sys::CUevent) -> Result<()> {
+    bind_context(ctx)?;
+    traced_raw("cuEventSynchronize", 0, || {
+        // SAFETY: callers pass an event they own and keep live.
+        unsafe { sys::cuEventSynchronize(event) }
+    })
+}
+
+/// Makes `stream`'s later work wait on the GPU for `event`'s most recent record as of now
+/// (`cuStreamWaitEvent`).
+fn order_after(
+    ctx: &Arc<CudaContext>,
+    event: sys::CUevent,
+    stream: &cudarc::driver::CudaStream,
+) -> Result<()> {
+    bind_context(ctx)?;
+    traced_raw("cuStreamWaitEvent", 0, || {
+        // SAFETY: callers pass an event they own and keep live; the stream is borrowed live.
+        unsafe { sys::cuStreamWaitEvent(stream.cu_stream(), event, 0) }
+    })
+}
+
 /// One event, recorded again at each use; destroyed on drop.
 #[derive(Debug)]
 pub(crate) struct UseMarker {
@@ -66,20 +89,12 @@ impl UseMarker {
 
     /// Blocks until the work before the last [`UseMarker::record`] is done.
     pub(crate) fn wait(&self) -> Result<()> {
-        bind_context(&self.ctx)?;
-        traced_raw("cuEventSynchronize", 0, || {
-            // SAFETY: the event is live.
-            unsafe { sys::cuEventSynchronize(self.event) }
-        })
+        host_wait(&self.ctx, self.event)
     }
 
     /// Makes `stream`'s later work wait on the GPU for the last use.
     pub(crate) fn order_before(&self, stream: &cudarc::driver::CudaStream) -> Result<()> {
-        bind_context(&self.ctx)?;
-        traced_raw("cuStreamWaitEvent", 0, || {
-            // SAFETY: both the stream and the event are live.
-            unsafe { sys::cuStreamWaitEvent(stream.cu_stream(), self.event, 0) }
-        })
+        order_after(&self.ctx, self.event, stream)
     }
 }
 
@@ -152,21 +167,13 @@ impl StepMark {
     /// Blocks until the work before the mark's most recent record is done (at once if it was
     /// never recorded, or only inside a graph not launched since).
     pub(crate) fn wait(&self) -> Result<()> {
-        bind_context(&self.ctx)?;
-        traced_raw("cuEventSynchronize", 0, || {
-            // SAFETY: the event is live.
-            unsafe { sys::cuEventSynchronize(self.event) }
-        })
+        host_wait(&self.ctx, self.event)
     }
 
     /// Makes `stream`'s later work wait, on the GPU, for the mark's most recent record as of
     /// now (a later record does not move what it waits for).
     pub(crate) fn order_before(&self, stream: &cudarc::driver::CudaStream) -> Result<()> {
-        bind_context(&self.ctx)?;
-        traced_raw("cuStreamWaitEvent", 0, || {
-            // SAFETY: both the stream and the event are live.
-            unsafe { sys::cuStreamWaitEvent(stream.cu_stream(), self.event, 0) }
-        })
+        order_after(&self.ctx, self.event, stream)
     }
 }
 

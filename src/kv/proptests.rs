@@ -118,6 +118,24 @@ impl Model {
         self.next_id += 1;
         self.next_id
     }
+
+    /// A grow of `seq` to `len` tokens (never shrinking), backed by `target(len)` granules.
+    fn grow(
+        &mut self,
+        seq: usize,
+        len: usize,
+        token_bytes: usize,
+        target: impl Fn(usize) -> usize,
+    ) {
+        let len = len.max(self.length(seq, token_bytes));
+        for buffer in &mut self.bytes[seq] {
+            buffer.resize(len * token_bytes, 0);
+        }
+        while self.granules[seq].len() < target(len) {
+            let id = self.fresh();
+            self.granules[seq].push(id);
+        }
+    }
 }
 
 fn data(seed: u8, n: usize, salt: usize) -> Vec<u8> {
@@ -308,17 +326,9 @@ impl Case {
         }
         let geometry = self.state.geometry;
         match *op {
-            Op::Grow { seq, len } => {
-                let len = len.max(model.length(seq, tb));
-                for buffer in &mut model.bytes[seq] {
-                    buffer.resize(len * tb, 0);
-                }
-                let target = geometry.granules_for((len + self.ahead).min(max_len));
-                while model.granules[seq].len() < target {
-                    let id = model.fresh();
-                    model.granules[seq].push(id);
-                }
-            }
+            Op::Grow { seq, len } => model.grow(seq, len, tb, |len| {
+                geometry.granules_for((len + self.ahead).min(max_len))
+            }),
             Op::Release { seq } => {
                 model.bytes[seq] = vec![Vec::new(); buffers];
                 model.granules[seq].clear();
@@ -369,15 +379,9 @@ impl Case {
                 ..
             } => {
                 for &(seq, len) in grow {
-                    let len = len.max(model.length(seq, tb));
-                    for buffer in &mut model.bytes[seq] {
-                        buffer.resize(len * tb, 0);
-                    }
-                    let target = geometry.granules_for((len + self.ahead).min(max_len));
-                    while model.granules[seq].len() < target {
-                        let id = model.fresh();
-                        model.granules[seq].push(id);
-                    }
+                    model.grow(seq, len, tb, |len| {
+                        geometry.granules_for((len + self.ahead).min(max_len))
+                    });
                 }
                 for &seq in release {
                     model.bytes[seq] = vec![Vec::new(); buffers];
