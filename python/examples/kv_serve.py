@@ -581,8 +581,9 @@ def serve(model, backend: Backend, requests, args, name: str, budget: Optional[i
         torch.cuda.synchronize()
         t2 = time.perf_counter()
         if mapped or behind:
+            parts = backend.cache.last_change_times() if behind and isinstance(backend, Stable) else {}
             map_log.append((t2 - t0, tb2 - tb, tb2 - t1, len(wall_s), mapped, behind,
-                            sum(1 for _, n in upcoming if n % tpg == 1), len(finished)))
+                            sum(1 for _, n in upcoming if n % tpg == 1), len(finished), parts))
         mapped = mapped or behind
         device_s.append(before.elapsed_time(after) / 1e3)
         host_s.append(t1 - t0)
@@ -612,10 +613,18 @@ def serve(model, backend: Backend, requests, args, name: str, budget: Optional[i
         log(f"{name}: {len(map_log)} mapping steps: wall median {median(walls) * 1e3:.3f} ms, "
             f"p90 {walls[int(0.9 * (len(walls) - 1))] * 1e3:.3f}, max {walls[-1] * 1e3:.3f} (all steps' median "
             f"{mid_wall * 1e3:.3f}); over 1.1 x median: {sum(w > 1.1 * mid_wall for w in walls)}")
-        for m in sorted(map_log, reverse=True)[:5]:
+        with_parts = [m[8] for m in map_log if m[8]]
+        if with_parts:
+            log(f"{name}:   median parts of {len(with_parts)} changes behind (us): " + ", ".join(
+                f"{k} {median(p[k] for p in with_parts):.0f}" for k in with_parts[0] if k != "inline_layers"))
+        for m in sorted(map_log, key=lambda m: m[0], reverse=True)[:5]:
             log(f"{name}:   step {m[3]}: wall {m[0] * 1e3:.3f} ms, maps behind {m[1] * 1e3:.3f} ms "
                 f"(ended {m[2] * 1e3:.3f} ms after launch), mapped before {m[4]}, behind {m[5]}, "
                 f"opening {m[6]}, finished {m[7]}")
+            if m[8]:
+                # The host's parts of those maps (us): what a slow step waited on.
+                log(f"{name}:     parts (us): " + ", ".join(
+                    f"{k} {v:.0f}" if k != "inline_layers" else f"{k} {v}" for k, v in m[8].items()))
     result = {
         "name": name,
         "slots": backend.slots,

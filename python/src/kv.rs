@@ -354,6 +354,26 @@ impl KvCache {
         Ok(out)
     }
 
+    /// Where the host's time went in the last `change_behind` that changed a mapping, in
+    /// microseconds: `{"settle", "staging", "waits", "remaps", "sync", "hand_off"}` and
+    /// `"inline_layers"` (a count).
+    fn last_change_times<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let t = self.run(py, |c| Ok(c.last_change_times()))?;
+        let out = PyDict::new(py);
+        for (key, value) in [
+            ("settle", t.settle),
+            ("staging", t.staging),
+            ("waits", t.waits),
+            ("remaps", t.remaps),
+            ("sync", t.sync),
+            ("hand_off", t.hand_off),
+        ] {
+            out.set_item(key, value.as_secs_f64() * 1e6)?;
+        }
+        out.set_item("inline_layers", t.inline_layers)?;
+        Ok(out)
+    }
+
     /// Device address of layer `layer`'s K (`kind="k"`) or V (`"v"`) buffer.
     #[pyo3(signature = (layer, kind="k"))]
     fn buffer_ptr(&self, py: Python<'_>, layer: usize, kind: &str) -> PyResult<u64> {

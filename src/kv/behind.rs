@@ -181,12 +181,8 @@ impl Behind {
                 remap.fail(error);
             }
         }
-        if let Err(error) = remap
-            .zero_retired(&state.lane)
-            .and_then(|()| crate::driver::synchronize_stream(&state.lane))
-        {
-            remap.fail(error);
-        }
+        // No gate is closed, but the marks passed and the next step is not launched yet.
+        remap.zero_retired_and_wait(&state.lane);
         remap.run();
         state.install(remap)
     }

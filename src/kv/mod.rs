@@ -49,10 +49,12 @@ mod sleep;
 mod state;
 mod stats;
 mod table;
+mod times;
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
 
 use cudarc::driver::{CudaContext, CudaStream};
 
@@ -67,6 +69,7 @@ use crate::vmm_core::{Backend, Vmm};
 pub use layout::KvLayout;
 use state::KvState;
 pub use stats::KvStats;
+pub use times::ChangeTimes;
 
 /// Options for [`KvCache::with_options`].
 #[derive(Clone, Debug)]
@@ -281,14 +284,27 @@ impl KvCache {
         }
         let marks = &self.marks;
         let later = self.behind.later();
+        let began = Instant::now();
         let mut state = self.settled()?;
+        let settle = began.elapsed();
         let (changed, remap) =
             state.change_behind(grow, release, |layer| marks[layer].wait(), &later)?;
+        let handing = Instant::now();
         if let Some(remap) = remap {
             self.behind
                 .hand_off(self.lane.context(), &mut state, remap, marks)?;
         }
+        if changed {
+            state.times.settle = settle;
+            state.times.hand_off = handing.elapsed();
+        }
         Ok(changed)
+    }
+
+    /// Where the host's time went in the last [`KvCache::change_behind`] that changed a
+    /// mapping (to take a slow step apart).
+    pub fn last_change_times(&self) -> ChangeTimes {
+        self.lock().times
     }
 
     /// Enqueues on `stream` (as for [`KvCache::mark_layer_done`]; captured or not) a wait at

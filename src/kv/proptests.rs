@@ -234,6 +234,10 @@ impl Case {
                 // after a failed wait.
                 let inline: Vec<usize> = (0..self.layout.layers).filter(|&l| !later[l]).collect();
                 prop_assert_eq!(&waited[..], &inline[..waited.len()]);
+                // A change that got past its last wait timed each layer remapped inline.
+                if let Ok((true, _)) = result {
+                    prop_assert_eq!(self.state.times.inline_layers, inline.len());
+                }
                 match result {
                     // The layers left for later: remapped now (their marks passed), the
                     // mappings taken back; a driver failure there is reported (and the slots
@@ -241,12 +245,7 @@ impl Case {
                     Ok((_, Some(mut remap))) => {
                         prop_assert!(remap.layers.iter().all(|&l| later[l]));
                         let lane = self.state.lane;
-                        if let Err(error) = remap
-                            .zero_retired(&lane)
-                            .and_then(|()| self.fake.synchronize(&lane))
-                        {
-                            remap.fail(error);
-                        }
+                        remap.zero_retired_and_wait(&lane);
                         remap.run();
                         match self.state.install(remap) {
                             Ok(()) => Ok(()),

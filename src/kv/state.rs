@@ -4,9 +4,11 @@
 //! slot assignments applied in order and undone in reverse on the first error.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use super::layout::{Geometry, KvLayout};
 use super::table::{Granule, GranuleTable, Slot};
+use super::times::ChangeTimes;
 use crate::error::{KvError, Result};
 use crate::host::Piece;
 use crate::vmm_core::{Backend, MappedRange, ReservedRange, Waiter};
@@ -42,6 +44,8 @@ pub(crate) struct KvState<B: Backend> {
     /// Tokens [`KvState::grow`] maps past the length asked for.
     pub ahead: usize,
     pub sleeping: Option<Sleeping<B>>,
+    /// The parts of the last [`KvState::change_behind`] that changed a mapping.
+    pub times: ChangeTimes,
     zero: Arc<B::Memory>,
     lengths_mapping: Option<B::Mapping>,
     // Last: the mappings above go first (the fake's ranges are plain numbers; the real
@@ -95,6 +99,7 @@ impl<B: Backend> KvState<B> {
             lane,
             ahead,
             sleeping: None,
+            times: ChangeTimes::default(),
             zero,
             lengths_mapping: Some(lengths_mapping),
             reservation,
@@ -476,10 +481,12 @@ impl<B: Backend> KvState<B> {
         // until it is done (and then by the remap: unmapping them is host work the worker
         // does off the step's path).
         let mut staged: Vec<(B::Mapping, B::Reservation)> = Vec::new();
+        let mut times = ChangeTimes::default();
         let outcome = (|| -> Result<()> {
             if !changed {
                 return Ok(());
             }
+            let began = Instant::now();
             // First, before any mark: the zeroing overlaps the step's first layers.
             for (_, data) in postponed
                 .iter()
@@ -492,11 +499,15 @@ impl<B: Backend> KvState<B> {
                 self.backend
                     .fill_zero(&self.lane, ptr, self.geometry.granule)?;
             }
+            let mut lap = Instant::now();
+            times.staging = lap - began;
             for (layer, entry) in per_layer.iter_mut().enumerate() {
                 let Some((changes, fresh)) = entry.take() else {
                     continue;
                 };
                 wait_layer(layer)?;
+                times.waits += lap.elapsed();
+                lap = Instant::now();
                 undo.extend(self.apply(changes)?);
                 for slot in fresh {
                     self.backend.fill_zero(
@@ -505,8 +516,13 @@ impl<B: Backend> KvState<B> {
                         self.geometry.granule,
                     )?;
                 }
+                times.remaps += lap.elapsed();
+                times.inline_layers += 1;
+                lap = Instant::now();
             }
-            self.backend.synchronize(&self.lane)
+            let synced = self.backend.synchronize(&self.lane);
+            times.sync = lap.elapsed();
+            synced
         })();
         if let Err(error) = outcome {
             for (_, data) in postponed.drain(..).chain(
@@ -541,6 +557,7 @@ impl<B: Backend> KvState<B> {
         // Committed from here: once zeroing starts, the released rows' granules cannot be
         // given back. Zeroing failed: the zero granule is mapped there instead (their mark
         // passed); that failing too leaves them retiring with their old bytes, and the error.
+        let zeroing = Instant::now();
         let zeroed = retired
             .iter()
             .try_for_each(|&slot| {
@@ -580,22 +597,23 @@ impl<B: Backend> KvState<B> {
             self.backed[seq] = 0;
             self.lengths[seq] = 0;
         }
-        let zero_after: Vec<u64> = retired_later
-            .iter()
-            .map(|&slot| self.slot_address(slot))
-            .collect();
-        let remap = (!postponed.is_empty() || !zero_after.is_empty())
-            .then(|| self.postpone(postponed, later, staged, zero_after));
+        times.sync += zeroing.elapsed();
+        if changed {
+            self.times = times;
+        }
+        let remap = (!postponed.is_empty() || !retired_later.is_empty())
+            .then(|| self.postpone(postponed, later, staged, &retired_later));
         late.map(|()| (changed, remap))
     }
 
-    /// Commits `changes` to the table now and hands their slots' mappings to a [`Remap`].
+    /// Commits `changes` to the table now and hands their slots' mappings to a [`Remap`]; it
+    /// zeroes the `retired` slots (released rows' granules, left mapped).
     fn postpone(
         &mut self,
         changes: Vec<Change<B>>,
         later: &[bool],
         staged: Vec<(B::Mapping, B::Reservation)>,
-        zero_after: Vec<u64>,
+        retired: &[usize],
     ) -> Remap<B> {
         let mut slots = Vec::with_capacity(changes.len());
         for (slot, data) in changes {
@@ -614,6 +632,10 @@ impl<B: Backend> KvState<B> {
                 new: None,
             });
         }
+        let zero_after = retired
+            .iter()
+            .map(|&slot| self.slot_address(slot))
+            .collect();
         Remap {
             backend: self.backend.clone(),
             reservation: self.reservation.clone(),
@@ -623,17 +645,29 @@ impl<B: Backend> KvState<B> {
             slots,
             staged,
             zero_after,
+            retired: retired.to_vec(),
+            zeroing_failed: false,
             error: None,
         }
     }
 
     /// Takes back the mappings a [`Remap`] made. A slot it could not map stays unmapped until
     /// [`KvState::repair`] maps what the table says there (the remap's error is returned).
+    ///
+    /// Where zeroing the released rows' granules failed ([`Remap::zero_retired_and_wait`],
+    /// whose caller installs at once: their layers' marks passed and no step was launched
+    /// since), the zero granule is mapped over them instead, as an inline release does, so no
+    /// later grow adopts their old bytes.
     pub fn install(&mut self, remap: Remap<B>) -> Result<()> {
         for entry in remap.slots {
             self.table.slots[entry.slot].mapping = entry.new;
         }
-        remap.error.map_or(Ok(()), Err)
+        let settled = if remap.zeroing_failed {
+            self.settle_retiring(&remap.retired)
+        } else {
+            Ok(())
+        };
+        remap.error.map_or(settled, Err)
     }
 
     /// Undoes an `apply` that mapped fresh granules over zero slots, after waiting for work
@@ -757,6 +791,11 @@ pub(crate) struct Remap<B: Backend> {
     /// Retiring granules (released rows, still mapped) to zero once the step is done with
     /// their layers.
     zero_after: Vec<u64>,
+    /// Their slots.
+    retired: Vec<usize>,
+    /// Zeroing them failed and the lane is idle: [`KvState::install`] maps the zero granule
+    /// over them.
+    zeroing_failed: bool,
     error: Option<crate::error::Error>,
 }
 
@@ -805,6 +844,22 @@ impl<B: Backend> Remap<B> {
     /// Records an error of the remap's surroundings (a failed wait) for [`KvState::install`].
     pub fn fail(&mut self, error: crate::error::Error) {
         self.error.get_or_insert(error);
+    }
+
+    /// [`Remap::zero_retired`] on `lane` and waits for it; the caller has waited for the
+    /// layers' marks and installs the remap before the next step. Where zeroing fails the
+    /// released granules may hold old bytes: once the fills enqueued are done,
+    /// [`KvState::install`] maps the zero granule over them. A lane that cannot be waited for
+    /// leaves them mapped, retiring, with the error (the context is lost).
+    pub fn zero_retired_and_wait(&mut self, lane: &B::Stream) {
+        let zeroed = self
+            .zero_retired(lane)
+            .and_then(|()| self.backend.synchronize(lane));
+        if let Err(error) = zeroed {
+            // Fills already enqueued may still run: nothing unmaps there before they are done.
+            self.zeroing_failed = self.backend.synchronize(lane).is_ok();
+            self.fail(error);
+        }
     }
 }
 
