@@ -353,10 +353,11 @@ class Backend:
 
 
 class Stable(Backend):
-    def __init__(self, cfg, slots: int, max_len: int, maps: str = "behind", warm: int = 1):
+    def __init__(self, cfg, slots: int, max_len: int, maps: str = "behind", warm: int = 1, gates: int = 1):
         self.name = "stable"
         self.slots = slots
         self.maps = maps
+        self.gates = gates
         layers, nkv, d = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
         self.layers = layers
         # One more row than slots: free slots write their (masked, unused) token there.
@@ -408,10 +409,10 @@ class Stable(Backend):
         # runs on the cache's worker while the next step runs the layers before it.
         if self.maps != "gated":
             return None
-        cache, last = self.cache, self.layers - 1
+        cache, first_gated = self.cache, self.layers - self.gates
 
         def gate(layer):
-            if layer == last:
+            if layer >= first_gated:
                 cache.gate_layer(layer, torch.cuda.current_stream().cuda_stream)
         return gate
 
@@ -676,6 +677,10 @@ def main() -> None:
                         "layer's mark, the last layer by the cache's worker behind that layer's gate while "
                         "the next step runs the layers before it (gated, default); behind the step, the last "
                         "layer too (behind); or between steps")
+    p.add_argument("--gates", type=int, default=1,
+                   help="with --maps gated: how many of the last layers are gated (default 1); the worker "
+                        "remaps them while the next step runs the layers before the first gate, so the "
+                        "host's share is the layers before them")
     p.add_argument("--dynamic", action="store_true", help="also run the eager torch.cat (DynamicCache-like) backend")
     p.add_argument("--skip-dynamic", action="store_true", help=argparse.SUPPRESS)  # the default now
     p.add_argument("--skip-probe", action="store_true", help="no attention probe")
@@ -684,6 +689,8 @@ def main() -> None:
     for key, value in logic.SIZES[args.size].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if not 1 <= args.gates <= args.layers:
+        p.error(f"--gates {args.gates}: between 1 and the {args.layers} layers")
     if not torch.cuda.is_available():
         raise SystemExit("kv_serve needs a CUDA GPU")
     b, max_len = args.max_batch, args.max_len
@@ -706,12 +713,12 @@ def main() -> None:
         picks = {} if args.skip_probe else attention_probe(cfg, b, max_len, grouped)
         runs.append(serve(model, Static(model, b, max_len), requests, args, "static"))
         torch.cuda.empty_cache()
-        runs.append(serve(model, Stable(cfg, b, max_len, args.maps), requests, args, "stable"))
+        runs.append(serve(model, Stable(cfg, b, max_len, args.maps, gates=args.gates), requests, args, "stable"))
         torch.cuda.empty_cache()
         if args.dynamic:
             runs.append(serve(model, Dynamic(cfg, b), requests, args, "dynamic", graph=False))
             torch.cuda.empty_cache()
-        runs.append(serve(model, Stable(cfg, args.budget_slots * b, max_len, args.maps), budget_requests, args,
+        runs.append(serve(model, Stable(cfg, args.budget_slots * b, max_len, args.maps, gates=args.gates), budget_requests, args,
                           "stable@budget",
                           budget=budget))
 
