@@ -41,6 +41,9 @@ pub(super) enum Backing<B: Backend> {
     CopyIn {
         resident: Mapped<B>,
         current: Option<u64>,
+        /// The dataset whose inputs the memory holds, kept through an unbind (gone once a copy
+        /// into it starts): binding it back after a failed offload or sleep copies nothing.
+        held: Option<u64>,
     },
 }
 

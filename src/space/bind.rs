@@ -118,7 +118,11 @@ impl<B: Backend> SpaceShared<B> {
                     }
                 }
             }
-            Backing::CopyIn { resident, current } => {
+            Backing::CopyIn {
+                resident,
+                current,
+                held,
+            } => {
                 let copy_stream = match stream {
                     Some(stream) => {
                         self.backend.order_before(&mut state.fence, stream)?;
@@ -139,6 +143,7 @@ impl<B: Backend> SpaceShared<B> {
                 };
                 self.backend.attach(&mut state.fence, &copy_stream);
                 *current = None;
+                *held = None;
                 state.bound.set(index, false);
                 for (offset, bytes) in dataset.input_runs() {
                     let source = home_ptr + offset as u64;
@@ -150,6 +155,7 @@ impl<B: Backend> SpaceShared<B> {
                     self.backend.synchronize(&copy_stream)?;
                 }
                 *current = Some(dataset.id());
+                *held = Some(dataset.id());
             }
         }
         state.bound.set(index, true);
@@ -167,7 +173,10 @@ impl<B: Backend> SpaceShared<B> {
         let mut state = self.lock();
         let state = &mut *state;
         let home_ptr = dataset.home_ptr()?;
-        if let Backing::CopyIn { resident, current } = &state.backings[index] {
+        if let Backing::CopyIn {
+            resident, current, ..
+        } = &state.backings[index]
+        {
             if *current != Some(dataset.id()) {
                 return Err(Error::Graph(GraphError::Unbound {
                     group: dataset.group().into(),
@@ -218,6 +227,26 @@ impl<B: Backend> Binder<B> for SpaceShared<B> {
     }
 
     fn bind_again(&self, dataset: &DatasetCore<B>) -> Result<()> {
+        let index = self.check_compatible(dataset)?;
+        {
+            let mut state = self.lock();
+            let state = &mut *state;
+            if let Backing::CopyIn {
+                current: current @ None,
+                held: Some(held),
+                ..
+            } = &mut state.backings[index]
+            {
+                if *held == dataset.id() {
+                    // The copy its bind made is still there, with what the GPU wrote since:
+                    // bound again as it was (a new copy would take the home's inputs as they
+                    // are now, which may differ).
+                    *current = Some(*held);
+                    state.bound.set(index, true);
+                    return Ok(());
+                }
+            }
+        }
         self.bind(dataset, None)
     }
 }

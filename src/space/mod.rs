@@ -420,6 +420,7 @@ impl<B: Backend> SpaceShared<B> {
                 BindStrategy::CopyIn => Backing::CopyIn {
                     resident: map_own(&backend, &reservation, region)?,
                     current: None,
+                    held: None,
                 },
                 _ => Backing::Remap(None),
             });

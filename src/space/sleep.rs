@@ -213,10 +213,11 @@ impl<B: Backend> SpaceShared<B> {
                 (
                     Backing::CopyIn {
                         current: current @ None,
+                        held: Some(held),
                         ..
                     },
                     TakenBacking::CopyIn(id),
-                ) => {
+                ) if *held == id => {
                     *current = Some(id);
                     true
                 }
