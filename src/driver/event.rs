@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaContext};
 
-use super::{bind_context, release, traced_raw};
+use super::{bind_context, capture_active, release, traced_raw};
 use crate::error::Result;
 
 /// A new event of `ctx` without timing (recording and waiting stay cheap); the caller owns it
@@ -143,15 +143,8 @@ impl StepMark {
     /// event-record node, so every replay of the graph records it at that point; outside, a
     /// plain record (the external flag is invalid there).
     pub(crate) fn record(&self, stream: u64) -> Result<()> {
-        bind_context(&self.ctx)?;
         let handle = stream as sys::CUstream;
-        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-        traced_raw("cuStreamIsCapturing", 0, || {
-            // SAFETY: valid out-pointer; the stream is one the caller says is live on this
-            // context (a destroyed one is the caller's error, which the driver reports).
-            unsafe { sys::cuStreamIsCapturing(handle, &mut status) }
-        })?;
-        let flags = if status == sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE {
+        let flags = if capture_active(&self.ctx, stream)? {
             self.captured
                 .store(true, std::sync::atomic::Ordering::Relaxed);
             sys::CUevent_record_flags::CU_EVENT_RECORD_EXTERNAL as u32

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaContext};
 
-use super::{bind_context, release, traced_raw};
+use super::{bind_context, capture_active, release, traced_raw};
 use crate::error::Result;
 
 /// `count` gates, all open.
@@ -75,15 +75,8 @@ impl Gates {
     /// Enqueues on `stream` (a `CUstream` of this context as a number; captured or not) a
     /// wait until gate `index` is open.
     pub(crate) fn wait_open(&self, index: usize, stream: u64) -> Result<()> {
-        bind_context(&self.ctx)?;
         let handle = stream as sys::CUstream;
-        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-        traced_raw("cuStreamIsCapturing", 0, || {
-            // SAFETY: valid out-pointer; the stream is one the caller says is live on this
-            // context (a destroyed one is the caller's error, which the driver reports).
-            unsafe { sys::cuStreamIsCapturing(handle, &mut status) }
-        })?;
-        if status == sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE {
+        if capture_active(&self.ctx, stream)? {
             self.captured.store(true, Ordering::Relaxed);
         }
         let address = self.device + 4 * self.checked(index)? as u64;

@@ -78,6 +78,19 @@ pub(crate) fn is_capturing(stream: &CudaStream) -> Result<bool> {
     Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
 }
 
+/// Whether the raw stream `stream` (a `CUstream` of `ctx` as a number; 0: the legacy default
+/// stream) is in an active capture: what decides whether work enqueued now becomes a node.
+pub(crate) fn capture_active(ctx: &Arc<CudaContext>, stream: u64) -> Result<bool> {
+    bind_context(ctx)?;
+    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    traced_raw("cuStreamIsCapturing", 0, || {
+        // SAFETY: valid out-pointer; the stream is one the caller says is live on this
+        // context (a destroyed one is the caller's error, which the driver reports).
+        unsafe { sys::cuStreamIsCapturing(stream as sys::CUstream, &mut status) }
+    })?;
+    Ok(status == sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE)
+}
+
 #[cfg_attr(any(test, feature = "fault-injection"), track_caller)]
 pub(crate) fn synchronize_stream(stream: &CudaStream) -> Result<()> {
     traced("cuStreamSynchronize", 0, || stream.synchronize())
