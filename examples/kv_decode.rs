@@ -35,7 +35,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use clap::Parser;
-use kv::{serve, serve_space, step_work, Model, ServeRun, StepIo};
+use kv::{last_layer_gated, serve, serve_space, step_work, Model, ServeRun, StepIo};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use stablebuf::cudarc::driver::CudaStream;
 use stablebuf::error::LayoutError;
@@ -154,7 +154,7 @@ fn run(args: &Args) -> Result<()> {
     let graph = StableGraph::capture(
         &stream,
         &[&space],
-        step_work(kernels.clone(), model, &cache, io)?,
+        step_work(kernels.clone(), model, &cache, io, last_layer_gated(&model))?,
     )?;
     let seed = args.seed.unwrap_or_else(|| {
         std::time::SystemTime::now()
@@ -210,7 +210,7 @@ fn run(args: &Args) -> Result<()> {
     let full_graph = StableGraph::capture(
         &stream,
         &[&space],
-        step_work(kernels.clone(), model, &full, io)?,
+        step_work(kernels.clone(), model, &full, io, last_layer_gated(&model))?,
     )?;
     let static_us = step_us(&full_graph, args.replays)?;
     let static_bytes = full.stats().bytes;

@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use common::{gpu, rng};
 use kv::{random_bf16, serve, serve_space, step_work, Model, ServeRun, StepIo};
+use rand::Rng;
 use stablebuf::buffer::copy_between;
 use stablebuf::error::KvError;
 use stablebuf::kernels::AttentionKernels;
@@ -137,13 +138,19 @@ fn a_random_serving_run_under_one_graph_matches_the_cpu_reference() {
     let max_prompt = 1300; // crosses the first granule boundary (1,024 tokens)
     let space = serve_space(&gpu.ctx, &model, max_prompt).unwrap();
     let io = StepIo::new(&space, &gpu.stream, model).unwrap();
+    let mut rng = rng("a_random_serving_run_under_one_graph_matches_the_cpu_reference");
+    // The last layer gated, and each earlier one at random: the cache's worker remaps several
+    // layers one after another while the next step runs up to each gate.
+    let gated: Vec<bool> = (0..model.layers)
+        .map(|l| l + 1 == model.layers || rng.gen_bool(0.5))
+        .collect();
+    eprintln!("gated layers: {gated:?}");
     let graph = StableGraph::capture(
         &gpu.stream,
         &[&space],
-        step_work(kernels, model, &cache, io).unwrap(),
+        step_work(kernels, model, &cache, io, gated).unwrap(),
     )
     .unwrap();
-    let mut rng = rng("a_random_serving_run_under_one_graph_matches_the_cpu_reference");
     let steps = 40;
     let report = serve(
         &mut rng,

@@ -124,14 +124,21 @@ impl StepIo {
 /// One decode step over `cache` as graph work: per layer, the step's token appended at each
 /// sequence's `length - 1`, then attention over its valid tokens, then the cache's mark that
 /// the step is done with the layer ([`KvCache::mark_layer_done`], for
-/// [`KvCache::change_behind`]); the last layer starts at its gate ([`KvCache::gate_layer`]).
+/// [`KvCache::change_behind`]); each layer flagged in `gated` starts at its gate
+/// ([`KvCache::gate_layer`]).
 /// Lengths are read from `cache`'s device array, so one graph
 /// captured at `max_batch` serves every step.
+/// Gates on the last layer only (the usual choice: see [`step_work`]).
+pub fn last_layer_gated(model: &Model) -> Vec<bool> {
+    (0..model.layers).map(|l| l + 1 == model.layers).collect()
+}
+
 pub fn step_work(
     kernels: Arc<AttentionKernels>,
     model: Model,
     cache: &Arc<KvCache>,
     io: StepIo,
+    gated: Vec<bool>,
 ) -> Result<impl FnMut(&Arc<CudaStream>) -> Result<()> + Send + 'static> {
     let marks = cache.clone();
     let shape = model.shape(cache);
@@ -144,10 +151,10 @@ pub fn step_work(
     let lengths = cache.lengths_device_ptr();
     Ok(move |stream: &Arc<CudaStream>| {
         for layer in 0..model.layers {
-            if layer + 1 == model.layers {
-                // The last layer's mark leaves only the step's end to remap behind: the step
-                // waits at its gate instead, and the cache's worker remaps it while the next
-                // step runs the layers before.
+            if gated.get(layer).copied().unwrap_or(false) {
+                // A gated layer is remapped by the cache's worker once the step in flight is
+                // done with it, while the next step runs the layers before (the last layer's
+                // mark leaves only the step's end to remap behind).
                 marks.gate_layer(layer, stream.cu_stream() as u64)?;
             }
             kernels.append(

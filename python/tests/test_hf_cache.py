@@ -258,12 +258,14 @@ def test_change_behind_remaps_each_layer_only_after_the_replay_is_done_with_it(t
     torch.testing.assert_close(out.cpu(), after, atol=0.5, rtol=1e-3)
 
 
-def test_a_gated_last_layer_is_remapped_while_the_next_replay_runs_up_to_its_gate(torch):
-    """The last layer gated (`gate_layer`): `change_behind` returns before remapping it, the
-    next replay is launched at once and runs the layers before the gate while the cache's
-    worker remaps the last layer behind the replay in flight. Both replays must read the rows
-    as they should (the first as they were, the second as they are now), nothing faults, and
-    the last layer's new granule is zeroed and writable."""
+@pytest.mark.parametrize("gated", ["last", "all"])
+def test_gated_layers_are_remapped_while_the_next_replay_runs_up_to_their_gates(torch, gated):
+    """The last layer gated (`gate_layer`), or every layer: `change_behind` returns before
+    remapping them, the next replay is launched at once and runs up to each gate while the
+    cache's worker remaps layer after layer behind the replay in flight. Both replays must
+    read the rows as they should (the first as they were, the second as they are now), nothing
+    faults, and new granules are zeroed and writable, also those taken zeroed from the free
+    list (released behind a step, unmapped since) where a plain release left dirty ones."""
     layers, batch, kv_heads, head_dim = 3, 3, 2, 64
     kv, views, before = _behind_cache(torch, layers, batch, kv_heads, head_dim)
     first, second = torch.empty(layers, batch, device="cuda"), torch.empty(layers, batch, device="cuda")
@@ -271,7 +273,7 @@ def test_a_gated_last_layer_is_remapped_while_the_next_replay_runs_up_to_its_gat
     def step(out):
         stream = torch.cuda.current_stream().cuda_stream
         for layer, (keys, values) in enumerate(views):
-            if layer == layers - 1:
+            if gated == "all" or layer == layers - 1:
                 kv.gate_layer(layer, stream)
             torch.cuda._sleep(20_000_000)  # ~10 ms: the worker remaps meanwhile, if it does not wait
             out[layer] = keys.float().sum((1, 2, 3)) + values.float().sum((1, 2, 3))
@@ -312,3 +314,24 @@ def test_a_gated_last_layer_is_remapped_while_the_next_replay_runs_up_to_its_gat
     # A fenced operation takes the remap back first; everything freed is free.
     kv.grow(2, 5)
     assert kv.stats()["physical_granules"] == layers * 2 * 3
+    # Row 2 written, then released behind a step: its granules retire, zeroed.
+    for keys, values in views:
+        keys[2, :5].fill_(3.0)
+        values[2, :5].fill_(3.0)
+    graphs[0].replay()
+    assert kv.change_behind([], [2]) is True
+    graphs[1].replay()
+    torch.cuda.synchronize()
+    # A plain release of row 0 settles them into the free list (zeroed) beside row 0's own
+    # granules (their old tokens kept: dirty).
+    kv.release(0)
+    assert kv.stats()["free_granules"] == layers * 2 * 3
+    # Row 1 opens a granule behind a step: gated layers take zeroed ones as they are, the
+    # others zero theirs. Every row reads zeros in the next replay.
+    graphs[0].replay()
+    assert kv.change_behind([(1, 5)], []) is True
+    second.fill_(float("nan"))
+    graphs[1].replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(second.cpu(), torch.zeros_like(before), atol=0, rtol=0)
+    assert kv.lengths()[:3] == [0, 5, 0]

@@ -1,22 +1,23 @@
 //! Remaps behind the next step: a decode step that waits at a layer's gate
 //! ([`KvCache::gate_layer`](super::KvCache::gate_layer), before that layer's K and V are
 //! touched) lets [`KvCache::change_behind`](super::KvCache::change_behind) return before that
-//! layer is remapped. The layer's remap is handed to a worker thread, which waits (on the
-//! host) until the step in flight passed the layer's mark, remaps, and opens the gate; the
-//! next step, launched meanwhile, runs every layer before the gate and waits there only if
-//! the remap is not done yet. So the last layer's remap, whose mark leaves too little of the
-//! step to hide behind, overlaps the next step's first layers instead of the gap between
-//! steps.
+//! layer is remapped. The gated layers' remap is handed to a worker thread, which, layer by
+//! layer, waits (on the host) until the step in flight passed the layer's mark, remaps it, and
+//! opens its gate; the next step, launched meanwhile, runs every layer before a gate and waits
+//! there only if that layer's remap is not done yet. So a gated layer's remap overlaps the
+//! rest of the step in flight and the next step's layers before it, instead of the gap
+//! between steps (with every layer gated, the host's part of a change is its gates).
 //!
 //! Order, per change that defers layers `G` (the step in flight: `t`):
 //! 1. the host waits until `t` passed the gates of `G` (the "passed" mark after each wait), so
 //!    closing them now cannot stop `t`;
-//! 2. the worker's lane waits on the GPU for `t`'s mark of the last layer of `G` (taken now,
-//!    before the next launch could record it again) and then records `reached`;
-//! 3. the gates of `G` close (host stores) and the job goes to the worker: it waits for
-//!    `reached` on the host, remaps (host driver calls only: nothing queues behind the gated
-//!    step), opens the gates (host stores) and hands the mappings back. The next call into
-//!    the cache that changes mappings takes them back first.
+//! 2. the worker's lane, for each layer of `G` in order, waits on the GPU for `t`'s mark of
+//!    that layer (taken now, before the next launch could record it again), zeroes the
+//!    layer's released granules and records the layer's `reached`;
+//! 3. the gates of `G` close (host stores) and the job goes to the worker: for each layer it
+//!    waits for `reached` on the host, remaps (host driver calls only: nothing queues behind
+//!    the gated step) and opens the gate (a host store); then it hands the mappings back.
+//!    The next call into the cache that changes mappings takes them back first.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
@@ -60,24 +61,32 @@ impl Pending {
 struct Job {
     remap: Option<Remap<Vmm>>,
     gates: Arc<Gates>,
-    reached: Arc<StepMark>,
+    /// Per layer: recorded on the worker's lane once the step passed that layer's mark.
+    reached: Vec<Arc<StepMark>>,
     pending: Arc<Pending>,
 }
 
 impl Job {
+    /// Layer by layer, in order: once the step passed the layer's mark, remaps it and opens
+    /// its gate, so the next step runs each layer as soon as that layer is done.
     fn run(&mut self) {
-        let Some(mut remap) = self.remap.take() else {
+        // The remap stays in the job until delivered: should anything here panic, dropping
+        // the job opens every gate (see `Drop`).
+        let Some(remap) = self.remap.as_mut() else {
             return;
         };
-        if let Err(error) = self.reached.wait() {
-            // The context failed: nothing runs on it any more either way.
-            remap.fail(error);
-        }
-        remap.run();
-        for &layer in &remap.layers {
+        for layer in remap.layers.clone() {
+            if let Err(error) = self.reached[layer].wait() {
+                // The context failed: nothing runs on it any more either way.
+                remap.fail(error);
+            }
+            remap.run_layer(layer);
             self.gates.open(layer);
         }
-        self.pending.deliver(remap);
+        remap.drop_staged();
+        if let Some(remap) = self.remap.take() {
+            self.pending.deliver(remap);
+        }
     }
 }
 
@@ -96,9 +105,9 @@ impl Drop for Job {
 
 #[derive(Debug)]
 struct Worker {
-    /// Waits on the GPU for the step's mark, then records `reached`.
+    /// Waits on the GPU for the step's marks, recording `reached` of each layer after its own.
     lane: Arc<CudaStream>,
-    reached: Arc<StepMark>,
+    reached: Vec<Arc<StepMark>>,
     jobs: Option<mpsc::Sender<Job>>,
     thread: Option<JoinHandle<()>>,
 }
@@ -208,7 +217,7 @@ impl Behind {
         }
         let mut worker = self.worker.lock().unwrap_or_else(|p| p.into_inner());
         if worker.is_none() {
-            match spawn(ctx) {
+            match spawn(ctx, self.passed.len()) {
                 Ok(spawned) => *worker = Some(spawned),
                 Err(error) => {
                     tracing::warn!(%error, "no remap worker; remapping here");
@@ -217,17 +226,15 @@ impl Behind {
             }
         }
         let worker = worker.as_ref().expect("spawned above");
-        let last = *layers.iter().max().expect("a remap has layers");
-        // The worker's lane: after the step's mark, the released granules zeroed, then
-        // `reached` (so the worker's wait for it covers the zeroing too).
-        let ordered = marks[last]
-            .order_before(&worker.lane)
-            .and_then(|()| remap.zero_retired(&worker.lane))
-            .and_then(|()| {
-                worker
-                    .reached
-                    .record(worker.lane.cu_stream() as usize as u64)
-            });
+        // The worker's lane, layer by layer (marks are recorded in layer order): after the
+        // step's mark, that layer's released granules zeroed, then its `reached` (so the
+        // worker's wait for it covers the zeroing too).
+        let lane = worker.lane.cu_stream() as usize as u64;
+        let ordered = layers.iter().try_for_each(|&layer| {
+            marks[layer].order_before(&worker.lane)?;
+            remap.zero_retired_layer(&worker.lane, layer)?;
+            worker.reached[layer].record(lane)
+        });
         if let Err(error) = ordered {
             // Fills already enqueued run behind the mark; the fallback zeroes again on the
             // cache's lane (the same zeros).
@@ -264,9 +271,11 @@ impl Behind {
     }
 }
 
-fn spawn(ctx: &Arc<CudaContext>) -> Result<Worker> {
+fn spawn(ctx: &Arc<CudaContext>, layers: usize) -> Result<Worker> {
     let lane = traced("cuStreamCreate", 0, || ctx.new_stream())?;
-    let reached = Arc::new(StepMark::new(ctx)?);
+    let reached = (0..layers)
+        .map(|_| StepMark::new(ctx).map(Arc::new))
+        .collect::<Result<Vec<_>>>()?;
     let (jobs, queue) = mpsc::channel::<Job>();
     let bound = ctx.clone();
     let thread = std::thread::Builder::new()

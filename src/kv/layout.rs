@@ -121,6 +121,11 @@ impl Geometry {
         (buffer * self.layout.max_batch + seq) * self.granules_per_seq + granule
     }
 
+    /// The layer whose K or V buffer holds `slot`.
+    pub fn layer_of(&self, slot: usize) -> usize {
+        slot / (self.layout.max_batch * self.granules_per_seq) / 2
+    }
+
     /// Granules that hold any byte of the first `tokens` tokens of a row.
     pub fn granules_for(&self, tokens: usize) -> usize {
         (tokens * self.token_bytes).div_ceil(self.granule)

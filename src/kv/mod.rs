@@ -41,6 +41,7 @@
 //! 1,024 for Llama-3-8B (8 KV heads × 128, bf16); 8,192 for a small model of 2 KV heads × 64.
 
 mod behind;
+mod free;
 mod layout;
 #[cfg(test)]
 mod proptests;
@@ -309,11 +310,12 @@ impl KvCache {
 
     /// Enqueues on `stream` (as for [`KvCache::mark_layer_done`]; captured or not) a wait at
     /// layer `layer`'s gate, and a mark that the step got past it. Call it in the decode step
-    /// before the layer's K and V are written or read, typically for the last layer only:
-    /// [`KvCache::change_behind`] then returns before remapping that layer, and a worker
-    /// thread remaps it once the step in flight passed the layer's mark and opens the gate,
-    /// so the remap overlaps the next step's first layers (which run up to the gate). A step
-    /// that reaches a closed gate waits for that remap. Gates are words in pinned host
+    /// before the layer's K and V are written or read, for the last layer at least (its mark
+    /// leaves only the step's tail to remap behind): [`KvCache::change_behind`] then returns
+    /// before remapping gated layers, and a worker thread remaps each once the step in flight
+    /// passed the layer's mark and opens its gate, so the remaps overlap the rest of that
+    /// step and the next step's layers before each gate. A step that reaches a closed gate
+    /// waits for that layer's remap. Gates are words in pinned host
     /// memory that the host opens with a store: no stream work can queue behind a waiting
     /// step. Every step that touches the layer must wait at its gate.
     pub fn gate_layer(&self, layer: usize, stream: u64) -> Result<()> {

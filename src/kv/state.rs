@@ -6,6 +6,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::free::FreeGranules;
 use super::layout::{Geometry, KvLayout};
 use super::table::{Granule, GranuleTable, Slot};
 use super::times::ChangeTimes;
@@ -38,7 +39,7 @@ pub(crate) struct KvState<B: Backend> {
     /// Granules mapped per sequence row (the same in every buffer).
     pub backed: Vec<usize>,
     /// Physical granules kept for reuse after a release.
-    pub free: Vec<Arc<B::Memory>>,
+    pub free: FreeGranules<B>,
     pub fence: B::Fence,
     pub lane: B::Stream,
     /// Tokens [`KvState::grow`] maps past the length asked for.
@@ -94,7 +95,7 @@ impl<B: Backend> KvState<B> {
             table: GranuleTable { slots },
             lengths: vec![0; layout.max_batch],
             backed: vec![0; layout.max_batch],
-            free: Vec::new(),
+            free: FreeGranules::default(),
             fence,
             lane,
             ahead,
@@ -224,15 +225,27 @@ impl<B: Backend> KvState<B> {
 
     /// Keeps the physical memory of a granule no row maps any more.
     pub fn recycle(&mut self, granule: Arc<Granule<B>>) {
+        self.keep(granule, false);
+    }
+
+    /// [`KvState::recycle`], knowing whether the granule holds zeros.
+    fn keep(&mut self, granule: Arc<Granule<B>>, zeroed: bool) {
         if let Ok(granule) = Arc::try_unwrap(granule) {
-            self.free.push(granule.memory);
+            self.free.push(granule.memory, zeroed);
         }
     }
 
     /// Maps the zero granule again over the retiring slots `slots` and keeps their granules
-    /// for reuse. The caller has made sure the GPU is done with them (the fence, or the mark
-    /// of their layer). All or nothing: on error they are all still retiring.
+    /// for reuse (as zeroed ones). The caller has made sure the GPU is done with them (the
+    /// fence, or the mark of their layer). All or nothing: on error they are all still
+    /// retiring.
     pub fn settle_retiring(&mut self, slots: &[usize]) -> Result<()> {
+        self.settle_retiring_as(slots, false)
+    }
+
+    /// [`KvState::settle_retiring`]; with `dirty` (their zeroing failed) the granules are
+    /// kept as ones of unknown contents.
+    fn settle_retiring_as(&mut self, slots: &[usize], dirty: bool) -> Result<()> {
         if slots.is_empty() {
             return Ok(());
         }
@@ -240,7 +253,8 @@ impl<B: Backend> KvState<B> {
             Ok(undo) => {
                 for (_, old) in undo {
                     if let Some(old) = old {
-                        self.recycle(old);
+                        // Retiring means zeroed (see `Slot::retiring`), and unmapped now.
+                        self.keep(old, !dirty);
                     }
                 }
                 Ok(())
@@ -270,8 +284,10 @@ impl<B: Backend> KvState<B> {
                 None => match self.backend.create(self.geometry.granule) {
                     Ok(memory) => Arc::new(memory),
                     Err(error) => {
-                        self.free
-                            .extend(taken.into_iter().map(|g: Granule<B>| g.memory));
+                        for granule in taken {
+                            let granule: Granule<B> = granule;
+                            self.free.push(granule.memory, false);
+                        }
                         return Err(error);
                     }
                 },
@@ -420,8 +436,26 @@ impl<B: Backend> KvState<B> {
             .copied()
             .filter(|&slot| self.table.slots[slot].retiring)
             .collect();
-        let mut granules = self.take_granules(gained.len() - adopted.len())?;
         let deferred = |buffer: usize| later.get(buffer / 2).copied().unwrap_or(false);
+        // The layers left for later take zeroed granules where there are some: no staging
+        // mapping to zero them through (host work before the step's marks).
+        let deferred_fresh = gained
+            .iter()
+            .filter(|&&slot| !adopted.contains(&slot) && deferred(2 * self.geometry.layer_of(slot)))
+            .count();
+        let mut zeroed: Vec<Arc<Granule<B>>> = std::iter::from_fn(|| self.free.pop_zeroed())
+            .take(deferred_fresh)
+            .map(|memory| Arc::new(Granule { memory }))
+            .collect();
+        let mut granules = match self.take_granules(gained.len() - adopted.len() - zeroed.len()) {
+            Ok(granules) => granules,
+            Err(error) => {
+                for granule in zeroed {
+                    self.keep(granule, true);
+                }
+                return Err(error);
+            }
+        };
         // The released rows' unshared granules: zeroed once every mark passed, left retiring.
         // In the layers left for later their zeroing is the remap's too (enqueued behind the
         // layer's mark, see [`Remap::zero_retired`]): no map call for a release there.
@@ -452,9 +486,16 @@ impl<B: Backend> KvState<B> {
                 for &(seq, _, from, to) in &growing {
                     for g in from..to {
                         let slot = self.geometry.slot(buffer, seq, g);
-                        if !adopted.contains(&slot) {
-                            changes.push((slot, Some(granules.pop().expect("counted above"))));
-                            fresh.push(slot);
+                        if adopted.contains(&slot) {
+                            continue;
+                        }
+                        let ready = if deferred(buffer) { zeroed.pop() } else { None };
+                        match ready {
+                            Some(granule) => changes.push((slot, Some(granule))),
+                            None => {
+                                changes.push((slot, Some(granules.pop().expect("counted above"))));
+                                fresh.push(slot);
+                            }
                         }
                     }
                 }
@@ -627,6 +668,7 @@ impl<B: Backend> KvState<B> {
             }
             slots.push(RemapSlot {
                 slot,
+                layer: self.geometry.layer_of(slot),
                 old: old_mapping,
                 memory,
                 new: None,
@@ -634,7 +676,7 @@ impl<B: Backend> KvState<B> {
         }
         let zero_after = retired
             .iter()
-            .map(|&slot| self.slot_address(slot))
+            .map(|&slot| (self.geometry.layer_of(slot), self.slot_address(slot)))
             .collect();
         Remap {
             backend: self.backend.clone(),
@@ -663,7 +705,7 @@ impl<B: Backend> KvState<B> {
             self.table.slots[entry.slot].mapping = entry.new;
         }
         let settled = if remap.zeroing_failed {
-            self.settle_retiring(&remap.retired)
+            self.settle_retiring_as(&remap.retired, true)
         } else {
             Ok(())
         };
@@ -766,6 +808,7 @@ fn map_granule<B: Backend>(
 #[derive(Debug)]
 struct RemapSlot<B: Backend> {
     slot: usize,
+    layer: usize,
     /// What the slot mapped before (unmapped by [`Remap::run`]).
     old: Option<B::Mapping>,
     /// What it maps afterwards: a data granule (zeroed already) or, `None`, the zero granule.
@@ -789,8 +832,8 @@ pub(crate) struct Remap<B: Backend> {
     /// The mappings the fresh granules were zeroed through (the lane is done with them).
     staged: Vec<(B::Mapping, B::Reservation)>,
     /// Retiring granules (released rows, still mapped) to zero once the step is done with
-    /// their layers.
-    zero_after: Vec<u64>,
+    /// their layers: (layer, address).
+    zero_after: Vec<(usize, u64)>,
     /// Their slots.
     retired: Vec<usize>,
     /// Zeroing them failed and the lane is idle: [`KvState::install`] maps the zero granule
@@ -804,8 +847,15 @@ impl<B: Backend> Remap<B> {
     /// a slot that still fails stays unmapped and the first error is kept for
     /// [`KvState::install`]). The caller has made sure no work uses those layers now.
     pub fn run(&mut self) {
-        self.staged.clear();
-        for entry in &mut self.slots {
+        for layer in self.layers.clone() {
+            self.run_layer(layer);
+        }
+        self.drop_staged();
+    }
+
+    /// [`Remap::run`] for the slots of one layer (the step passed that layer's mark).
+    pub fn run_layer(&mut self, layer: usize) {
+        for entry in self.slots.iter_mut().filter(|entry| entry.layer == layer) {
             drop(entry.old.take());
             let map = || {
                 map_granule(
@@ -831,9 +881,23 @@ impl<B: Backend> Remap<B> {
     /// waits for `lane` before [`KvState::install`]. Stream work, but none of it waits for a
     /// gate: it runs behind the step in flight's mark, whatever waits after it.
     pub fn zero_retired(&self, lane: &B::Stream) -> Result<()> {
+        self.layers
+            .iter()
+            .try_for_each(|&layer| self.zero_retired_layer(lane, layer))
+    }
+
+    /// [`Remap::zero_retired`] for one layer (`lane` ordered after that layer's mark).
+    pub fn zero_retired_layer(&self, lane: &B::Stream, layer: usize) -> Result<()> {
         self.zero_after
             .iter()
-            .try_for_each(|&address| self.backend.fill_zero(lane, address, self.granule))
+            .filter(|&&(of, _)| of == layer)
+            .try_for_each(|&(_, address)| self.backend.fill_zero(lane, address, self.granule))
+    }
+
+    /// Unmaps the mappings the fresh granules were zeroed through (host work, off the step's
+    /// path: the lane finished with them before the change returned).
+    pub fn drop_staged(&mut self) {
+        self.staged.clear();
     }
 
     /// Whether it has slots to remap (else only granules to zero: no gate needs to close).
