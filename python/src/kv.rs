@@ -70,12 +70,13 @@ pub fn lengths_view(max_batch: usize) -> ArrayDesc {
 }
 
 /// The stats as `(name, value)` pairs (`asleep` as 0/1 is given apart).
-pub fn stats_fields(s: &KvStats) -> [(&'static str, usize); 8] {
+pub fn stats_fields(s: &KvStats) -> [(&'static str, usize); 9] {
     [
         ("mapped_granules", s.mapped_granules),
         ("physical_granules", s.physical_granules),
         ("shared_granules", s.shared_granules),
         ("free_granules", s.free_granules),
+        ("zeroed_granules", s.zeroed_granules),
         ("bytes", s.bytes),
         ("unshared_bytes", s.unshared_bytes),
         ("granule", s.granule),
@@ -337,12 +338,24 @@ impl KvCache {
         self.run(py, |c| c.wake())
     }
 
+    /// Makes sure `count` free granules hold zeros, zeroing at most `at_most` in this call
+    /// (each costs the host ~0.1 ms; default: all that are missing), so gated layers take them
+    /// as they are when a row opens a granule (no mapping of their own to zero them on the
+    /// step's path); call it while a step that changes nothing runs. Returns how many free
+    /// granules hold zeros now.
+    #[pyo3(signature = (count, at_most=None))]
+    fn zero_ahead(&self, py: Python<'_>, count: usize, at_most: Option<usize>) -> PyResult<usize> {
+        let at_most = at_most.unwrap_or(usize::MAX);
+        self.run(py, move |c| c.zero_ahead(count, at_most))
+    }
+
     /// Releases the free list's memory; returns the bytes released.
     fn trim(&self, py: Python<'_>) -> PyResult<usize> {
         self.run(py, |c| Ok(c.trim()))
     }
 
-    /// `{"mapped_granules", "physical_granules", "shared_granules", "free_granules", "bytes",
+    /// `{"mapped_granules", "physical_granules", "shared_granules", "free_granules",
+    /// "zeroed_granules", "bytes",
     /// "unshared_bytes", "granule", "sequences", "asleep"}`.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.run(py, |c| Ok(c.stats()))?;

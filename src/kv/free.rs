@@ -42,6 +42,16 @@ impl<B: Backend> FreeGranules<B> {
         self.zeroed.pop()
     }
 
+    /// A granule of unknown contents.
+    pub fn pop_dirty(&mut self) -> Option<Arc<B::Memory>> {
+        self.dirty.pop()
+    }
+
+    /// How many granules are known to hold zeros.
+    pub fn zeroed_len(&self) -> usize {
+        self.zeroed.len()
+    }
+
     pub fn len(&self) -> usize {
         self.dirty.len() + self.zeroed.len()
     }
@@ -74,6 +84,11 @@ mod tests {
             free.pop_zeroed().is_none(),
             "a dirty granule is never handed out as zeroed"
         );
+        assert_eq!(free.zeroed_len(), 0);
+        assert!(free.pop_dirty().is_some() && free.pop_dirty().is_none());
+        free.push(zeroed, true);
+        assert!(free.pop_dirty().is_none(), "a zeroed granule is not dirty");
+        assert_eq!(free.zeroed_len(), 1);
         free.clear();
         assert_eq!(free.len(), 0);
     }

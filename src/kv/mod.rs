@@ -363,6 +363,22 @@ impl KvCache {
         self.settled()?.wake()
     }
 
+    /// Makes sure `count` granules of the free list hold zeros, so that layers behind a gate
+    /// ([`KvCache::gate_layer`]) take them as they are when a row opens a granule: without
+    /// them [`KvCache::change_behind`] maps each fresh granule alone to zero it before the
+    /// step's marks (host time on the step's path, ~0.1 ms a granule). Free granules of
+    /// unknown contents are zeroed first, then new memory is made (held in the free list, as
+    /// a release's is; [`KvCache::trim`] gives it back). Call it where the host waits anyway,
+    /// such as while a step that changes no mapping runs; for one row opening a granule in
+    /// every gated layer, `count` is 2 x the gated layers. `at_most` bounds the granules this
+    /// call zeroes (each costs the host ~0.1 ms), so a call fits in a step's wait. Returns how
+    /// many free granules hold zeros now. On an error none of those it took counts as zeroed,
+    /// and nothing else changed.
+    pub fn zero_ahead(&self, count: usize, at_most: usize) -> Result<usize> {
+        let _span = tracing::debug_span!("kv_zero_ahead", count, at_most).entered();
+        self.lock().zero_ahead(count, at_most)
+    }
+
     /// Releases the free list's memory; returns the bytes released.
     pub fn trim(&self) -> usize {
         let mut state = self.lock();

@@ -44,6 +44,11 @@ enum Op {
     Sleep,
     Wake,
     Publish,
+    /// Makes `count` free granules hold zeros (gated layers take them without staging).
+    ZeroAhead {
+        count: usize,
+        at_most: usize,
+    },
     /// Grows and releases behind a step in flight, layer by layer; the wait for layer
     /// `fail_at`'s mark fails (a driver error).
     Behind {
@@ -67,6 +72,7 @@ fn op(max_batch: usize, max_len: usize) -> impl Strategy<Value = Op> {
         1 => Just(Op::Sleep),
         1 => Just(Op::Wake),
         1 => Just(Op::Publish),
+        2 => (0usize..6, 1usize..4).prop_map(|(count, at_most)| Op::ZeroAhead { count, at_most }),
         4 => (
             prop::collection::vec((0..max_batch + 1, 0..max_len + 3), 0..3),
             prop::collection::vec(0..max_batch + 1, 0..2),
@@ -199,6 +205,17 @@ impl Case {
             Op::Sleep => self.state.sleep(&HostStorage::Pageable).map(drop),
             Op::Wake => self.state.wake().map(drop),
             Op::Publish => self.state.publish_lengths(),
+            Op::ZeroAhead { count, at_most } => {
+                let before = self.state.free.zeroed_len();
+                let result = self.state.zero_ahead(count, at_most);
+                if let Ok(ready) = result {
+                    prop_assert_eq!(ready, before.max(count.min(before + at_most)));
+                    prop_assert_eq!(self.state.free.zeroed_len(), ready);
+                } else {
+                    prop_assert!(self.state.free.zeroed_len() == before);
+                }
+                result.map(drop)
+            }
             Op::Behind {
                 ref grow,
                 ref release,
@@ -296,6 +313,7 @@ impl Case {
                     || distinct.len() != seqs.len()
                     || grow.iter().any(|&(_, len)| len > max_len)
             }
+            Op::ZeroAhead { .. } => model.asleep,
             _ => false,
         };
         match &result {
@@ -389,7 +407,7 @@ impl Case {
             }
             Op::Sleep => model.asleep = true,
             Op::Wake => model.asleep = false,
-            Op::Publish => {}
+            Op::Publish | Op::ZeroAhead { .. } => {}
         }
         Ok(true)
     }

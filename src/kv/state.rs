@@ -275,6 +275,56 @@ impl<B: Backend> KvState<B> {
         }
     }
 
+    /// Makes `count` free granules hold zeros (at least; see [`super::KvCache::zero_ahead`]),
+    /// zeroing at most `at_most` now: dirty free granules first, new ones from the driver for
+    /// the rest, each mapped alone, zeroed on the lane and unmapped once the lane is done.
+    /// Returns how many free granules hold zeros now. On an error none of them counts as
+    /// zeroed: they stay free as dirty ones (where the lane may still write, mapped for good).
+    pub fn zero_ahead(&mut self, count: usize, at_most: usize) -> Result<usize> {
+        self.check_awake()?;
+        let missing = count
+            .saturating_sub(self.free.zeroed_len())
+            .min(at_most);
+        if missing == 0 {
+            return Ok(self.free.zeroed_len());
+        }
+        let mut taking: Vec<Arc<B::Memory>> =
+            std::iter::from_fn(|| self.free.pop_dirty()).take(missing).collect();
+        let mut staged: Vec<(B::Mapping, B::Reservation)> = Vec::with_capacity(missing);
+        let zeroing = (|| -> Result<()> {
+            while taking.len() < missing {
+                taking.push(Arc::new(self.backend.create(self.geometry.granule)?));
+            }
+            for memory in &taking {
+                let (range, mapping) = self.backend.map_alone(memory)?;
+                staged.push((mapping, range));
+                let ptr = staged.last().expect("pushed").0.ptr();
+                self.backend
+                    .fill_zero(&self.lane, ptr, self.geometry.granule)?;
+            }
+            self.backend.synchronize(&self.lane)
+        })();
+        if let Err(error) = zeroing {
+            if self.backend.synchronize(&self.lane).is_err() {
+                // The lane may still write there: keep the mappings (and the memory) forever.
+                for (mapping, _) in &mut staged {
+                    mapping.leak_on_drop();
+                }
+            }
+            drop(staged);
+            for memory in taking {
+                self.free.push(memory, false);
+            }
+            return Err(error);
+        }
+        // The lane is done with them: unmapping is safe.
+        drop(staged);
+        for memory in taking {
+            self.free.push(memory, true);
+        }
+        Ok(self.free.zeroed_len())
+    }
+
     /// `count` granules, from the free list first. All or nothing.
     pub fn take_granules(&mut self, count: usize) -> Result<Vec<Arc<Granule<B>>>> {
         let mut taken = Vec::with_capacity(count);

@@ -17,6 +17,9 @@ pub struct KvStats {
     /// Granules kept for reuse after releases (unmapped, or retiring: zeroed, mapped at a free
     /// slot until a later step maps the zero granule there).
     pub free_granules: usize,
+    /// Of the free granules, those known to hold zeros and unmapped: a gated layer takes one
+    /// as it is when a row opens a granule ([`KvCache::zero_ahead`](super::KvCache::zero_ahead)).
+    pub zeroed_granules: usize,
     /// Bytes of device memory the cache holds: data and free granules, the zero granule and the
     /// lengths array.
     pub bytes: usize,
@@ -47,6 +50,7 @@ impl<B: Backend> KvState<B> {
             physical_granules: distinct.len(),
             shared_granules,
             free_granules: self.free.len() + retiring,
+            zeroed_granules: self.free.zeroed_len(),
             bytes: held * granule + lengths_bytes,
             unshared_bytes: mapped_granules * granule,
             granule,
