@@ -382,7 +382,9 @@ class Stable(Backend):
         self.granule = self.cache.granule
         self.backed: Dict[int, int] = {}  # granules mapped per row (ahead_tokens is 0)
         # Zeroed free granules as of the last zero_ahead (a change behind may take some).
-        self.ready = 0
+        # A server's start makes the gated layers' first ones, as `warm` does: later steps
+        # that change nothing keep them topped up (Stable.idle).
+        self.ready = self.cache.zero_ahead(self._zeroed_wanted()) if maps == "gated" else 0
         self.views = [kv_tensors(self.cache, i) for i in range(layers)]
 
     def _granules(self, tokens: int) -> int:
@@ -445,6 +447,10 @@ class Stable(Backend):
             del self.backed[slot]
         return mapped
 
+    def _zeroed_wanted(self) -> int:
+        # Two rows opening a granule in every gated layer, K and V.
+        return 2 * 2 * self.gates
+
     def idle(self) -> bool:
         # While a step that changes nothing runs: zeroed granules ready for the gated layers
         # (two rows opening a granule in each, K and V), so an opening step takes them as they
@@ -453,7 +459,7 @@ class Stable(Backend):
         # Whether it zeroed any (map work: the step counts as one that mapped).
         if self.maps != "gated":
             return False
-        want = 2 * 2 * self.gates
+        want = self._zeroed_wanted()
         if self.ready >= want:
             return False
         self.ready = self.cache.zero_ahead(want, 1)
