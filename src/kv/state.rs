@@ -282,14 +282,13 @@ impl<B: Backend> KvState<B> {
     /// zeroed: they stay free as dirty ones (where the lane may still write, mapped for good).
     pub fn zero_ahead(&mut self, count: usize, at_most: usize) -> Result<usize> {
         self.check_awake()?;
-        let missing = count
-            .saturating_sub(self.free.zeroed_len())
-            .min(at_most);
+        let missing = count.saturating_sub(self.free.zeroed_len()).min(at_most);
         if missing == 0 {
             return Ok(self.free.zeroed_len());
         }
-        let mut taking: Vec<Arc<B::Memory>> =
-            std::iter::from_fn(|| self.free.pop_dirty()).take(missing).collect();
+        let mut taking: Vec<Arc<B::Memory>> = std::iter::from_fn(|| self.free.pop_dirty())
+            .take(missing)
+            .collect();
         let mut staged: Vec<(B::Mapping, B::Reservation)> = Vec::with_capacity(missing);
         let zeroing = (|| -> Result<()> {
             while taking.len() < missing {
