@@ -176,13 +176,15 @@ fn run(args: &Args) -> Result<()> {
             max_prompt,
             check_every: args.check_every,
             sleep_at: args.steps / 2,
+            zero_ahead: true,
         },
         cap,
     )?;
     println!(
         "RESULT kv_decode check: {} steps, {} admitted, {} forked (up to {} shared granules), {} \
          released, one sleep and wake; {} outputs match the CPU reference (max abs error {:.2e}), \
-         {} tokens match the mirror bit for bit ({:.1} s)",
+         {} tokens match the mirror bit for bit, {} bytes past the lengths read zero ({} \
+         granules zeroed ahead) ({:.1} s)",
         args.steps,
         report.admitted,
         report.forked,
@@ -191,6 +193,8 @@ fn run(args: &Args) -> Result<()> {
         report.checked_outputs,
         report.max_abs_error,
         report.checked_tokens,
+        report.checked_tail_bytes,
+        report.zeroed_ahead,
         started.elapsed().as_secs_f64()
     );
     if report.checked_outputs == 0 || report.checked_tokens == 0 {

@@ -184,6 +184,7 @@ pub use view::SlotView;
 pub mod device {
     pub use crate::driver::context::{borrow_stream, make_current, SavedContext};
     pub use crate::driver::device::{can_access_peer, device_count};
+    pub use crate::driver::graph::upload_foreign_exec;
     pub use crate::driver::memory_info;
 }
 

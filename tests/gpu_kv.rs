@@ -164,6 +164,7 @@ fn a_random_serving_run_under_one_graph_matches_the_cpu_reference() {
             max_prompt,
             check_every: 5,
             sleep_at: 17,
+            zero_ahead: true,
         },
         max_prompt + steps + 1,
     )
@@ -175,6 +176,10 @@ fn a_random_serving_run_under_one_graph_matches_the_cpu_reference() {
         "a fork shared whole granules: {report:?}"
     );
     assert!(report.checked_outputs >= 8 * model.layers * model.q_elems());
+    assert!(
+        report.zeroed_ahead > 0 && report.checked_tail_bytes > 0,
+        "zero_ahead ran and rows were read past their lengths: {report:?}"
+    );
     // Every mapping is undone on release; the free list is kept for reuse, then trimmed.
     for seq in 0..model.max_batch {
         cache.release(seq).unwrap();

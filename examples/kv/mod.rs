@@ -259,6 +259,9 @@ pub struct ServeRun {
     pub check_every: usize,
     /// Sleep and wake the cache before this step (none if past the end).
     pub sleep_at: usize,
+    /// Keep zeroed granules ready at random on the steps that change nothing behind
+    /// ([`KvCache::zero_ahead`]); the gated layers' fresh slots then take them unzeroed.
+    pub zero_ahead: bool,
 }
 
 /// What a serving run did, for the caller's report.
@@ -271,6 +274,11 @@ pub struct ServeReport {
     pub checked_tokens: usize,
     pub max_abs_error: f32,
     pub shared_granules_seen: usize,
+    /// Zeroed granules [`KvCache::zero_ahead`] said were ready, summed over its calls.
+    pub zeroed_ahead: usize,
+    /// Bytes past a row's length up to the end of its last backed granule, read back and
+    /// found zero at the end of the run.
+    pub checked_tail_bytes: usize,
 }
 
 fn mismatch(what: String) -> Error {
@@ -487,6 +495,11 @@ pub fn serve(
             }
             cache.change_behind(&next, &gone)?;
             report.released += gone.len();
+        } else if run.zero_ahead && rng.gen_bool(0.5) {
+            // Off the step's path, behind its replay: granules zeroed for the next growth.
+            let buffers = 2 * model.layers;
+            report.zeroed_ahead +=
+                cache.zero_ahead(rng.gen_range(1..=2 * buffers), rng.gen_range(1..=buffers))?;
         }
         stream.synchronize().map_err(Error::from)?;
         for layer in 0..model.layers {
@@ -523,24 +536,30 @@ pub fn serve(
             mirror.lengths[seq] = 0;
         }
     }
-    report.checked_tokens = check_rows(cache, space, stream, &mirror, run.max_prompt)?;
+    (report.checked_tokens, report.checked_tail_bytes) =
+        check_rows(cache, space, stream, &mirror, run.max_prompt)?;
     Ok(report)
 }
 
 /// Reads every running sequence's rows back (through the staging slot, `max_prompt` tokens at
-/// a time) and compares them with the mirror bit for bit. Returns the tokens compared.
+/// a time) and compares them with the mirror bit for bit, and checks that the rest of each
+/// row's last backed granule, past its length, reads zero (a granule is zeroed before it backs
+/// a row, whichever way it came: fresh, reused, [`KvCache::zero_ahead`], the copied tail of a
+/// fork). Returns the tokens compared and the tail bytes checked.
 fn check_rows(
     cache: &KvCache,
     space: &Space,
     stream: &Arc<CudaStream>,
     mirror: &Mirror,
     max_prompt: usize,
-) -> Result<usize> {
+) -> Result<(usize, usize)> {
     let model = mirror.model;
     let token = model.token();
     let staging = space.view::<u16>("staging", stream)?;
     let chunk = 2 * model.layers * max_prompt;
+    let per_granule = model.layout().tokens_per_granule(cache.granule());
     let mut compared = 0;
+    let mut tail_bytes = 0;
     for buffer in 0..2 * model.layers {
         let kind = if buffer % 2 == 0 {
             KvKind::K
@@ -573,7 +592,33 @@ fn check_rows(
                 }
                 compared += n;
             }
+            // Past the length: to the end of the last granule the cache backs (its length may
+            // be one ahead of the mirror's, grown behind the last step).
+            let backed_to = cache.length(seq)?.max(len);
+            let end = (backed_to.div_ceil(per_granule) * per_granule).min(model.max_len);
+            let n = (end - len).min(chunk);
+            if n == 0 {
+                continue;
+            }
+            copy_between(
+                stream,
+                &staging,
+                0,
+                &source,
+                seq * cache.seq_stride() + len * token * 2,
+                n * token * 2,
+            )?;
+            let got: Vec<u16> = space.read(stream, "staging")?;
+            if let Some(i) = got[..n * token].iter().position(|&word| word != 0) {
+                return Err(mismatch(format!(
+                    "buffer {buffer} sequence {seq}: token {} past the length {len} reads {:#06x}, \
+                     not zero",
+                    len + i / token,
+                    got[i]
+                )));
+            }
+            tail_bytes += n * token * 2;
         }
     }
-    Ok(compared)
+    Ok((compared, tail_bytes))
 }

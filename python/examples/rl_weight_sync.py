@@ -20,12 +20,17 @@ weights, side by side in one run:
   region's graph (no remap at all).
 
 The trainer's writes for ``stablebuf`` and ``pipelined`` run once per ``--share`` value
-(1: as fast as it goes; below 1: chunks of ``--chunk-mib`` with pauses, so writing takes about
+(1: as fast as it goes; below 1: chunks of ``--chunk-mib`` (a list: each size) with pauses, so writing takes about
 that share of the wall time). On two GPUs the trainer writes through views of the engine's
 sets on its own GPU (``--views trainer``, the default: copies on one device, all queued at
 once); ``--views engine`` puts them on the engine's GPU, where every ``copy_`` is a copy between
 devices that PyTorch fences per tensor against the engine GPU's queue (the path issue 41
 measured at 4-10 GB/s), to compare both in one run.
+
+Per version: the trainer makes its new weights and their eager reference output ("training")
+while the engine waits; the engine then serves ``--quiet-steps`` undisturbed steps and asks
+for the publish, serving on until its first step on the new weights. Training is not part of a
+publish, and on one GPU its kernels would share the GPU with the steps measured.
 
 Printed: per method, the trainer's write time, the engine's time lost per publish (over the
 window from the step in flight when the write began to the end of the first step on the new
@@ -63,7 +68,14 @@ import torch.multiprocessing as mp
 
 import stablebuf
 from stablebuf._pipelined import PARTS, PipelinedEngine, PipelinedTrainer
-from stablebuf._share import DEFAULT_COPY_STREAMS, summarize, time_lost, undisturbed_period
+from stablebuf._share import (
+    COPY_KERNELS,
+    DEFAULT_COPY_KERNEL,
+    DEFAULT_COPY_STREAMS,
+    summarize,
+    time_lost,
+    undisturbed_period,
+)
 
 GiB = 1 << 30
 
@@ -120,11 +132,21 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="1",
         help="comma list of the trainer's bandwidth share for stablebuf and pipelined (1 = off)",
     )
-    parser.add_argument("--chunk-mib", type=float, default=64.0, help="chunk of a shared write")
+    parser.add_argument(
+        "--chunk-mib",
+        default="64",
+        help="comma list: MiB per chunk of a shared write (share below 1; the first is judged)",
+    )
     parser.add_argument(
         "--copy-streams",
         default="1",
         help="comma list: streams a full-speed write spreads its copies over (Trainer.copy_streams)",
+    )
+    parser.add_argument(
+        "--copy-kernel",
+        default=DEFAULT_COPY_KERNEL,
+        help="comma list of how the trainer queues its copies (Trainer.copy_kernel): "
+        + ", ".join(COPY_KERNELS),
     )
     parser.add_argument("--trainer-device", type=int, default=0)
     parser.add_argument("--engine-device", type=int, default=0)
@@ -140,6 +162,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.shares = [float(v) for v in args.share.split(",")]
     args.stream_list = [int(v) for v in args.copy_streams.split(",") if v]
+    args.kernel_list = [v for v in args.copy_kernel.split(",") if v]
+    args.chunk_list = [float(v) for v in args.chunk_mib.split(",") if v]
+    if not args.chunk_list or any(v <= 0 for v in args.chunk_list):
+        parser.error("--chunk-mib: a comma list of positive sizes")
+    if not args.kernel_list or any(v not in COPY_KERNELS for v in args.kernel_list):
+        parser.error(f"--copy-kernel: a comma list of {', '.join(COPY_KERNELS)}")
     args.method_list = [m for m in args.methods.split(",") if m]
     args.view_list = [v for v in args.views.split(",") if v]
     if any(v not in ("trainer", "engine") for v in args.view_list) or not args.view_list:
@@ -221,11 +249,58 @@ def peer_copy_gbps(src_device: int, dst_device: int, nbytes: int) -> float:
     return n * 2 / best / 1e9
 
 
+def link_probe(trainer, method: str, params: dict, tdev: int, edev: int, nbytes: int) -> dict:
+    """GB/s (best of 3) of three writes from the trainer's GPU, to tell the link from the way the
+    trainer writes (item 3): ``peer``, a plain 1 GiB ``copy_`` into memory ``cudaMalloc``ed on
+    the engine's GPU; ``flat``, one copy of as many bytes into a weight set the trainer may
+    write now (a VMM mapping of the engine's memory, through its view on the trainer's GPU);
+    ``write``, the library's write of every tensor into that set (what a publish queues). The
+    set is not committed: the next publish writes it whole first."""
+    from stablebuf._share import write_shared
+    from stablebuf.publish import _flat_on
+
+    if method == "pipelined":
+        region, set_id = trainer.acquire()
+        owner = trainer._trainers[region]
+    else:
+        set_id, owner = trainer.acquire(), trainer
+    writer = owner.writer if owner.writer is not None else owner._sets[set_id].device
+    flat = _flat_on(torch, owner._sets[set_id], writer)
+    n = min(flat.numel(), nbytes)
+    source = torch.empty(n, dtype=torch.uint8, device=f"cuda:{tdev}").random_(0, 255)
+    peer = torch.empty(n, dtype=torch.uint8, device=f"cuda:{edev}")
+    views = owner.tensors(set_id)
+    total = sum(t.numel() * t.element_size() for t in params.values())
+
+    def best(fn, size):
+        fn()
+        torch.cuda.synchronize(tdev)
+        torch.cuda.synchronize(edev)
+        fastest = math.inf
+        for _ in range(3):
+            start = time.perf_counter()
+            fn()
+            torch.cuda.synchronize(tdev)
+            torch.cuda.synchronize(edev)
+            fastest = min(fastest, time.perf_counter() - start)
+        return size / fastest / 1e9
+
+    out = {
+        "peer": best(lambda: peer.copy_(source, non_blocking=True), n),
+        "flat": best(lambda: flat[:n].copy_(source, non_blocking=True), n),
+        "write": best(lambda: write_shared(torch, views, params, kernel=owner.copy_kernel), total),
+    }
+    del source, peer
+    torch.cuda.empty_cache()
+    return out
+
+
 # ---------------------------------------------------------------------------- trainer process
 
 
 def trainer_main(method: str, args: argparse.Namespace, conn, path: str, views: str,
-                 streams: int = DEFAULT_COPY_STREAMS) -> None:
+                 streams: int = DEFAULT_COPY_STREAMS, kernel: str = DEFAULT_COPY_KERNEL,
+                 chunk_mib: float = 64.0) -> None:
     from torch.multiprocessing.reductions import reduce_tensor
 
     tdev, edev = args.trainer_device, args.engine_device
@@ -261,17 +336,30 @@ def trainer_main(method: str, args: argparse.Namespace, conn, path: str, views: 
         else:
             trainer = stablebuf.publish.Trainer.connect(path, **kwargs)
         trainer.copy_streams = streams
+        trainer.copy_kernel = kernel
     conn.send(setup)
     torch.cuda.synchronize()
-    chunk = int(args.chunk_mib * MiB)
+    chunk = int(chunk_mib * MiB)
     while True:
         message = conn.recv()
         if message[0] == "stop":
             break
+        if message[0] == "probe":
+            conn.send(("probed", link_probe(trainer, method, params, tdev, edev,
+                                            args.peer_mib * MiB)))
+            continue
+        if message[0] == "train":
+            # "Training", not part of the publish: done before the engine's undisturbed steps,
+            # so that on one GPU its kernels do not share the GPU with the steps measured.
+            version = message[1]
+            fill_version(params, version, dev)
+            reference = forward(params, x).cpu()
+            torch.cuda.synchronize()
+            # The reference goes now: unpickling a tensor costs the engine a fraction of a
+            # millisecond, which inside the publish window would count as time lost.
+            conn.send(("trained", version, reference))
+            continue
         _, version, share = message
-        fill_version(params, version, dev)  # "training": not part of the publish
-        reference = forward(params, x).cpu()
-        torch.cuda.synchronize()
         write_start = time.monotonic()
         if method == "ipc-buckets":
             for n, t in params.items():
@@ -286,7 +374,7 @@ def trainer_main(method: str, args: argparse.Namespace, conn, path: str, views: 
         done = time.monotonic()
         commit_at_ns = trainer.last_commit_at_ns if trainer is not None else time.monotonic_ns()
         parts = dict(trainer.last_write) if trainer is not None else {}
-        conn.send(("done", version, write_start, done, commit_at_ns, reference, parts))
+        conn.send(("done", version, write_start, done, commit_at_ns, parts))
     if trainer is not None:
         trainer.close()
 
@@ -357,13 +445,15 @@ def pull(dst, src, staging) -> None:
 
 
 def run_method(method, share, args, params, served, pair, ctx, views="trainer",
-               streams=DEFAULT_COPY_STREAMS) -> dict:
+               streams=DEFAULT_COPY_STREAMS, kernel=DEFAULT_COPY_KERNEL, chunk_mib=64.0) -> dict:
     conn, child_conn = ctx.Pipe()
     path = os.path.join(tempfile.mkdtemp(prefix="rl-sync-"), "engine.sock")
     engine = None
     free_before = torch.cuda.mem_get_info()[0]
     proc = ctx.Process(
-        target=trainer_main, args=(method, args, child_conn, path, views, streams), daemon=True
+        target=trainer_main,
+        args=(method, args, child_conn, path, views, streams, kernel, chunk_mib),
+        daemon=True,
     )
     proc.start()
     sources, where = {}, {}
@@ -401,6 +491,16 @@ def run_method(method, share, args, params, served, pair, ctx, views="trainer",
             print(f"{PREFIX} {method}: engine: {'; '.join(status.problems)}")
         return status
 
+    # Item 3's probes on two GPUs: the link with the engine idle, then while it serves.
+    probes = {}
+    if method in PUBLISH_METHODS and args.trainer_device != args.engine_device:
+        conn.send(("probe",))
+        probes["idle"] = conn.recv()[1]
+        conn.send(("probe",))
+        while not conn.poll():
+            step()
+        probes["serving"] = conn.recv()[1]
+
     quiet_steps, periods, rows, wrong = [], [], [], 0
     extra_memory = 0
     last_end = None
@@ -408,6 +508,13 @@ def run_method(method, share, args, params, served, pair, ctx, views="trainer",
         # A full collection now, before the undisturbed steps: Python's collector then has
         # little reason to run a long (oldest generation) pass inside the publish window.
         gc.collect()
+        # The trainer makes this version's weights first, while the engine waits (on one GPU
+        # its kernels would be time-sliced with the steps measured below).
+        conn.send(("train", version))
+        trained = conn.recv()
+        if trained[:2] != ("trained", version):
+            raise RuntimeError(f"the trainer answered {trained[:2]!r} to train {version}")
+        reference = trained[2]
         ends = []
         for _ in range(args.quiet_steps):
             status = boundary()
@@ -488,7 +595,7 @@ def run_method(method, share, args, params, served, pair, ctx, views="trainer",
             s, e, _, _ = step()
             steps.append((s, e))
             last_end = e
-        _, _, write_start, trainer_done, commit_at_ns, reference, parts = done
+        _, _, write_start, trainer_done, commit_at_ns, parts = done
         row["write"] = trainer_done - write_start
         row["parts"] = parts
         commit_at = commit_at_ns / 1e9
@@ -535,6 +642,8 @@ def run_method(method, share, args, params, served, pair, ctx, views="trainer",
         "share": share,
         "views": views if two_gpus and method in PUBLISH_METHODS else "-",
         "streams": streams if method in PUBLISH_METHODS else 1,
+        "kernel": kernel if method in PUBLISH_METHODS else DEFAULT_COPY_KERNEL,
+        "chunk_mib": chunk_mib if method in PUBLISH_METHODS and share < 1.0 else 0.0,
         "write_ms": ms("write"),
         "lost_ms": ms("lost"),
         "longest_ms": ms("longest"),
@@ -547,11 +656,20 @@ def run_method(method, share, args, params, served, pair, ctx, views="trainer",
         "period_ms": summarize(periods)["median"] * 1e3,
         "extra_gib": extra_memory / GiB,
         "peer_gbps": setup["peer_gbps"],
+        "probes": probes,
         "wrong": wrong,
     }
     if method in PUBLISH_METHODS:
         for key in ("in_flight", "to_launch", "to_launch_total") + PARTS:
             result[f"{key}_ms"] = plain(key)
+        # Which publish was slowest to launch (version 1 is the pipelined engine's first switch
+        # to its second region: the launch that uploaded that graph before the engine did).
+        slowest = max(range(len(rows)), key=lambda i: rows[i].get("to_launch", -1.0))
+        result["slowest_switch"] = {
+            "version": slowest + 1,
+            "to_launch": rows[slowest].get("to_launch", math.nan),
+            "launch": rows[slowest].get("launch", math.nan),
+        }
         result["write_parts"] = write_parts([r["parts"] for r in rows])
     else:
         result["pause_ms"] = ms("pause")
@@ -590,6 +708,10 @@ def label(r) -> str:
     tail = "/engine-views" if r.get("views") == "engine" else ""
     if r["method"] in PUBLISH_METHODS and r.get("streams", DEFAULT_COPY_STREAMS) != DEFAULT_COPY_STREAMS:
         tail += f"/{r['streams']}-stream"
+    if r["method"] in PUBLISH_METHODS and r.get("kernel", DEFAULT_COPY_KERNEL) != DEFAULT_COPY_KERNEL:
+        tail += f"/{r['kernel']}"
+    if r.get("chunk_mib"):
+        tail += f"/{r['chunk_mib']:g}MiB"
     return f"{r['method']}@{r['share']:.2f}{tail}"
 
 
@@ -610,7 +732,8 @@ def report_parts(results, args, nbytes, alone_ms) -> None:
         p = r["write_parts"]
         print(
             f"{PREFIX}   {label(r):28s} cuda:{med(p, 'writer'):.0f} -> set on "
-            f"cuda:{med(p, 'set_device'):.0f}: acquire {med(p, 'acquire'):.3f} | issue "
+            f"cuda:{med(p, 'set_device'):.0f}: check {med(p, 'check'):.3f} | acquire "
+            f"{med(p, 'acquire'):.3f} | issue "
             f"{med(p, 'issue'):.3f} | wait {med(p, 'wait'):.3f} | gpu {med(p, 'gpu'):.3f} "
             f"({gbps(med(p, 'gpu')):.1f} GB/s) | pause {med(p, 'paused'):.3f} | commit "
             f"{med(p, 'commit'):.3f} | total {med(p, 'total'):.3f} | {med(p, 'copies'):.0f} "
@@ -631,6 +754,18 @@ def report_parts(results, args, nbytes, alone_ms) -> None:
     steps = ", ".join(f"{label(r)} {r['quiet_ms']:.3f}" for r in results)
     print(f"{PREFIX} undisturbed engine step, ms: {alone_ms:.3f} before any trainer process; "
           f"with each run's trainer process alive: {steps}")
+
+
+def compared_only(r, args) -> bool:
+    """A run the verdicts leave out (reported beside the others): views on the engine's GPU,
+    or another stream count or copy kernel than the first of ``--copy-streams`` /
+    ``--copy-kernel``."""
+    if r["method"] not in PUBLISH_METHODS:
+        return False
+    return (r.get("views") == "engine"
+            or r.get("streams", DEFAULT_COPY_STREAMS) != args.stream_list[0]
+            or r.get("kernel", DEFAULT_COPY_KERNEL) != args.kernel_list[0]
+            or (r["share"] < 1.0 and r.get("chunk_mib", args.chunk_list[0]) != args.chunk_list[0]))
 
 
 def verdict(what: str, ok, detail: str) -> None:
@@ -675,10 +810,15 @@ def report(results, args, nbytes, alone_ms=math.nan) -> None:
                 f"{fmt(r[f'{key}_ms'])} /{fmt(r[f'{key}_ms'], 'p99')}" for r in publish
             )
             print(f"{PREFIX}   {what:52s} | {cells}")
+    for r in publish:
+        slow = r.get("slowest_switch")
+        if slow:
+            print(f"{PREFIX}   slowest switch of {label(r)}: version {slow['version']}, commit -> "
+                  f"first launch {slow['to_launch']:.3f} ms, of it the launch {slow['launch']:.3f} ms")
     print(f"{PREFIX} bandwidth share trade-off (the trainer's write against the engine's loss)")
     for r in publish:
         gbps = nbytes / (r["write_ms"]["median"] / 1e3) / 1e9
-        print(f"{PREFIX}   {r['method']:10s} share {r['share']:4.2f} views {r.get('views', '-')}: "
+        print(f"{PREFIX}   {label(r):32s} views {r.get('views', '-')}: "
               f"write {fmt(r['write_ms'])} ms "
               f"({gbps:6.1f} GB/s) | lost {fmt(r['lost_ms'])} ms/publish | longest step "
               f"{r['longest_ms']['max'] / r['quiet_ms']:.2f}x undisturbed (max over publishes)")
@@ -702,8 +842,7 @@ def report(results, args, nbytes, alone_ms=math.nan) -> None:
     pause = min(pauses, key=lambda r: r["lost_ms"]["median"]) if pauses else None
     for method in PUBLISH_METHODS:
         # The library's way only: --views engine is the path issue 41 measured, for comparison.
-        runs = [r for r in results if r["method"] == method and r.get("views") != "engine"
-                and r.get("streams", DEFAULT_COPY_STREAMS) == DEFAULT_COPY_STREAMS]
+        runs = [r for r in results if r["method"] == method and not compared_only(r, args)]
         if not runs or pause is None:
             continue
         best = min(runs, key=lambda r: r["lost_ms"]["median"])
@@ -735,16 +874,30 @@ def report(results, args, nbytes, alone_ms=math.nan) -> None:
         if r["share"] < 1.0:
             continue
         gbps = nbytes / (r["write_ms"]["median"] / 1e3) / 1e9
-        compared = (r.get("views") == "engine"
-                    or r.get("streams", DEFAULT_COPY_STREAMS) != DEFAULT_COPY_STREAMS)
+        compared = compared_only(r, args)
+        probes = r.get("probes") or {}
+        for when in ("idle", "serving"):
+            p = probes.get(when)
+            if p:
+                print(f"{PREFIX}   item 3 probe, {label(r)}, engine {when}: peer copy "
+                      f"{p['peer']:.1f} GB/s | one copy into the set {p['flat']:.1f} GB/s | the "
+                      f"library's write of every tensor {p['write']:.1f} GB/s")
+        if two_gpus and "serving" in probes:
+            floor = probes["serving"]["peer"]
+            verdict(
+                f"item 3, {label(r)} write vs peer copy, both while the engine serves",
+                gbps >= 0.9 * floor if not compared else None,
+                f"{gbps:.1f} GB/s (a publish's write) vs {floor:.1f} GB/s peer copy "
+                f"({gbps / floor:.2f}x, target >= 0.9x)" + ("; reported only" if compared else ""),
+            )
         verdict(
             f"item 3, {label(r)} write vs peer copy (NVLink floor, share off)",
             gbps >= 0.9 * r["peer_gbps"] if two_gpus and not compared else None,
             f"{gbps:.1f} GB/s vs {r['peer_gbps']:.1f} GB/s peer copy "
             f"({gbps / r['peer_gbps']:.2f}x, target >= 0.9x)"
             + ("" if two_gpus else "; needs --trainer-device != --engine-device")
-            + ("; views on the engine's GPU or another stream count than the default: "
-               "reported only" if compared else ""),
+            + ("; views on the engine's GPU, or another stream count or copy kernel than the "
+               "first asked: reported only" if compared else ""),
         )
     wrong = sum(r["wrong"] for r in results)
     verdict("outputs", wrong == 0, "all correct" if wrong == 0 else f"{wrong} WRONG")
@@ -780,7 +933,7 @@ def run_sizes(args, argv) -> int:
     for method in PUBLISH_METHODS:
         def runs(gib, method=method):
             return [r for r in found.get(gib, []) if r["method"] == method and r["share"] >= 1.0
-                    and r.get("views") != "engine"]
+                    and not compared_only(r, args)]
 
         a, b = runs(small), runs(big)
         if not a or not b:
@@ -829,9 +982,13 @@ def main(argv=None) -> int:
             views_list = args.view_list if publishing and two_gpus else ["trainer"]
             streams_list = (args.stream_list if publishing and share >= 1.0
                             else [DEFAULT_COPY_STREAMS])
-            for views, streams in itertools.product(views_list, streams_list):
+            kernels = args.kernel_list if publishing else [DEFAULT_COPY_KERNEL]
+            chunks = args.chunk_list if publishing and share < 1.0 else args.chunk_list[:1]
+            for views, streams, kernel, chunk_mib in itertools.product(
+                views_list, streams_list, kernels, chunks
+            ):
                 result = run_method(method, share, args, params, served, pair, ctx, views,
-                                    streams)
+                                    streams, kernel, chunk_mib)
                 result["alone_ms"] = alone_ms
                 results.append(result)
                 print(

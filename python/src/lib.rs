@@ -22,6 +22,7 @@ pub mod context;
 #[allow(unsafe_code)] // DLPack: raw capsules handed to PyTorch
 pub mod dlpack;
 pub mod errors;
+pub mod graphs;
 pub mod kv;
 pub mod publish;
 pub mod regions;
@@ -312,6 +313,14 @@ fn crossover_bytes(py: Python<'_>, device: i32) -> PyResult<Option<usize>> {
     Ok(py.detach(|| regions::crossover_bytes(device))?)
 }
 
+/// Uploads PyTorch's executable graph `exec` (`torch.cuda.CUDAGraph.raw_cuda_graph_exec()`)
+/// of device `device` on its stream `stream` (`cuGraphUpload`), so that the first replay costs
+/// what later ones do. Ordered after the work queued on `stream`.
+#[pyfunction]
+fn upload_graph(py: Python<'_>, device: i32, exec: u64, stream: usize) -> PyResult<()> {
+    Ok(py.detach(|| graphs::upload(device, exec, stream))?)
+}
+
 /// The weight set bound under `tag` now (`None` before the first snapshot or wake).
 #[pyfunction]
 fn bound(tag: &str) -> PyResult<Option<WeightSet>> {
@@ -482,6 +491,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(bind, m)?)?;
     m.add_function(wrap_pyfunction!(switch, m)?)?;
     m.add_function(wrap_pyfunction!(crossover_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(upload_graph, m)?)?;
     m.add_function(wrap_pyfunction!(bound, m)?)?;
     m.add_function(wrap_pyfunction!(unbind, m)?)?;
     m.add_function(wrap_pyfunction!(check_replayable, m)?)?;

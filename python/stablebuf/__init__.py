@@ -72,6 +72,7 @@ from ._native import (
 )
 from ._regions import library_path, pool, region, stats, tags, timeline
 from ._sleep import host_arena, reserve_host, sleep, wake
+from ._upload import upload_graph
 from ._weights import bind, bound, crossover_bytes, snapshot, switch, unbind, writing
 from . import publish  # noqa: E402  (weight publishing between processes; imports no torch)
 from ._pipelined import PipelinedEngine, PipelinedTrainer  # noqa: E402  (two regions; no torch)
@@ -127,6 +128,7 @@ __all__ = [
     "timeline",
     "trim",
     "unbind",
+    "upload_graph",
     "wake",
     "writing",
 ]

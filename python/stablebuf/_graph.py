@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 
 from . import _guard
 from ._devices import Tags, as_tags, current_device, tags_on
+from ._upload import upload_graph
 
 
 class CUDAGraph(torch.cuda.CUDAGraph):
@@ -68,6 +69,10 @@ class CUDAGraph(torch.cuda.CUDAGraph):
             # The capture's device is current until torch.cuda.graph's block ends.
             _guard.graph_tags(self, tags_on(current_device()))
 
+    def upload(self, stream: Any = None) -> bool:
+        """Upload the captured graph to its device now (see :func:`upload_graph`)."""
+        return upload_graph(self, stream)
+
     def replay(self) -> None:
         """Replay, or raise ``Asleep``/``Unbound`` without launching anything."""
         tags = self.guarded_tags
@@ -77,3 +82,4 @@ class CUDAGraph(torch.cuda.CUDAGraph):
                 super().replay()
             # Regions with fence="last-use" wait for this replay (and no more) before a remap.
             _guard.note_use(tags)
+

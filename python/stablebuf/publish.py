@@ -66,7 +66,14 @@ from ._native import (
     VersionConflict,
     WeightSet,
 )
-from ._share import DEFAULT_CHUNK_BYTES, DEFAULT_COPY_STREAMS, SharePacer, write_shared
+from ._share import (
+    COPY_KERNELS,
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_COPY_KERNEL,
+    DEFAULT_COPY_STREAMS,
+    SharePacer,
+    write_shared,
+)
 from ._switcher import (
     DEFAULT_AGREE_EVERY,
     StartMin,
@@ -225,6 +232,11 @@ def _flat_on(torch: Any, imported: Any, device: int) -> Any:
     if int(device) == int(own):
         return torch.from_dlpack(imported)
     return torch.from_dlpack(imported.__dlpack__(dl_device=(kind, int(device))))
+
+
+def _check_kernel(kernel: str) -> None:
+    if kernel not in COPY_KERNELS:
+        raise ValueError(f"copy_kernel={kernel!r}: one of {', '.join(COPY_KERNELS)}")
 
 
 class _GpuSpan:
@@ -740,7 +752,8 @@ class Trainer:
         #: Where the last :meth:`publish` spent its time (seconds) and what it did:
         #: ``acquire_s``, ``issue_s`` (queuing the copies), ``wait_s`` (waiting for them:
         #: the chunks' synchronisations and the last one), ``gpu_s`` (first copy to last on
-        #: the writer's stream, pauses included), ``paused_s``, ``commit_s``, ``total_s``;
+        #: the writer's stream, pauses included), ``paused_s``, ``commit_s``, ``check_s`` (the
+        #: names, shapes and version checked), ``total_s`` (from the checks to the commit);
         #: ``chunks``, ``copies``, ``cross_device`` (copies between two devices: see
         #: :func:`stablebuf._share.crosses_devices`), ``bytes``, ``writer``, ``set_device``.
         self.last_write: Dict[str, float] = {}
@@ -755,6 +768,10 @@ class Trainer:
         #: Streams a full-speed write (share 1) spreads its copies over
         #: (:func:`stablebuf._share.write_shared`); 1: the current stream alone.
         self.copy_streams = DEFAULT_COPY_STREAMS
+        #: How :meth:`publish` queues its copies: ``"copy_"`` (one per tensor) or
+        #: ``"foreach"`` (``torch._foreach_copy_``: a few multi-tensor kernels); see
+        #: :data:`stablebuf._share.COPY_KERNELS`.
+        self.copy_kernel = DEFAULT_COPY_KERNEL
         self._lanes: Dict[int, List[Any]] = {}  # device -> its copy streams, made on first use
 
     def _copy_lanes(self) -> List[Any]:
@@ -973,7 +990,9 @@ class Trainer:
         chunks of ``chunk_bytes``, each followed by a pause so that writing takes about
         ``share`` of the wall time (:func:`stablebuf._share.write_shared`); the write then
         takes about 1/``share`` as long. :attr:`last_write` says where the time went."""
+        checked_at = time.perf_counter()
         SharePacer(share)  # ValueError for a share outside (0, 1], before anything else
+        _check_kernel(self.copy_kernel)
         problem = self.manifest.first_mismatch(weights, dtypes=False)
         if problem is not None:
             raise OfferMismatch(problem)
@@ -987,7 +1006,9 @@ class Trainer:
         t2 = time.perf_counter()
         self.commit(set_id, version)
         t3 = time.perf_counter()
-        parts.update(acquire_s=t1 - t0, commit_s=t3 - t2, total_s=t3 - t0)
+        parts.update(
+            check_s=t0 - checked_at, acquire_s=t1 - t0, commit_s=t3 - t2, total_s=t3 - checked_at
+        )
         self.last_write = parts
         return set_id
 
@@ -1011,6 +1032,7 @@ class Trainer:
             devices=self._other_devices(set_id),
             # Made only for a full-speed write on one device.
             lanes=self._copy_lanes if self.copy_streams > 1 else (),
+            kernel=self.copy_kernel,
         )
         span.stop()
         start = time.perf_counter()
@@ -1025,6 +1047,7 @@ class Trainer:
             "copies": info["copies"],
             "cross_device": info["cross_device"],
             "lanes": info.get("lanes", 1.0),
+            "foreach": info.get("foreach", 0.0),
             "bytes": float(self._bytes),
             "writer": float(writer),
             "set_device": float(set_device),

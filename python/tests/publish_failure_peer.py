@@ -65,6 +65,8 @@ class Serving:
                 self.served.append(peer.Served(tag, tensors, device))
             torch.cuda.synchronize(device)  # the eager warm-ups were not noted
             self.engine = PipelinedEngine(tags, path, self.tensors, lambda i: self.served[i].graph)
+            if self.engine.uploaded != (True, True):
+                raise AssertionError(f"the engine's graphs were not uploaded: {self.engine.uploaded}")
         else:
             tag = name
             self.tensors = peer.build_model(tag, device, seed=0)

@@ -179,6 +179,34 @@ def test_a_captured_graph_replays_after_wake_and_refuses_while_asleep(torch):
     torch.testing.assert_close(plain_out, want)
 
 
+def test_uploaded_graphs_replay_like_the_cpu_and_unready_ones_are_left_alone(torch):
+    with stablebuf.region("upload_weights"):
+        w1 = torch.randn(1024, 1024, device="cuda") / 32
+        w2 = torch.randn(1024, 1024, device="cuda") / 32
+    x = torch.randn(64, 1024, device="cuda")
+    g = stablebuf.CUDAGraph(tags=["upload_weights"])
+    out = _warm_then_capture(torch, g, lambda: _mlp_forward(torch, w1, w2, x))
+    assert g.upload() is True
+    side = torch.cuda.Stream()
+    assert stablebuf.upload_graph(g, side) is True  # again, on another stream: harmless
+    # keep_graph=True: no executable until instantiate(); the upload leaves it alone.
+    kept = torch.cuda.CUDAGraph(keep_graph=True)
+    kept_out = _warm_then_capture(torch, kept, lambda: _mlp_forward(torch, w1, w2, x))
+    assert stablebuf.upload_graph(kept) is False
+    kept.instantiate()
+    assert stablebuf.upload_graph(kept) is True
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        want = _mlp_forward(torch, w1.cpu().double(), w2.cpu().double(), x.cpu().double())
+        out.fill_(float("nan"))
+        kept_out.fill_(float("nan"))
+        g.replay()
+        kept.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out.cpu().double(), want, rtol=2e-3, atol=2e-3)
+        torch.testing.assert_close(kept_out.cpu().double(), want, rtol=2e-3, atol=2e-3)
+
+
 def test_a_graph_guards_every_region_when_given_no_tags(torch):
     with stablebuf.region("default_guard"):
         w = torch.randn(256, 256, device="cuda")

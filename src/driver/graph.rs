@@ -206,6 +206,27 @@ impl Drop for Exec {
     }
 }
 
+/// Uploads another runtime's executable graph to the device on `stream` (`cuGraphUpload`), so
+/// that its first launch costs what the later ones do. Without it the first launch uploads the
+/// graph itself: about 4 ms for a graph of ~3,000 nodes on an H200 (issue 41 measured that
+/// launch as the p99 of a pipelined switch at 8 GiB, the first switch to the second region).
+///
+/// `exec` is a raw `CUgraphExec` as a number (PyTorch's
+/// `torch.cuda.CUDAGraph.raw_cuda_graph_exec()`) of `stream`'s context, which its owner keeps
+/// alive for the call, as for [`borrow_stream`](super::context::borrow_stream)'s handle; a null
+/// one is the driver's `CUDA_ERROR_INVALID_VALUE`. The upload is ordered after the work queued
+/// on `stream` and before the exec's later launches, wherever they go.
+#[cfg_attr(any(test, feature = "fault-injection"), track_caller)]
+pub fn upload_foreign_exec(stream: &CudaStream, exec: u64) -> Result<()> {
+    bind_context(stream.context())?;
+    traced_raw("cuGraphUpload", 0, || {
+        // SAFETY: `exec` is a live executable of this context (the function's contract: its
+        // owner, another runtime, keeps it alive for the call; the driver refuses null), and
+        // the stream is borrowed live for the call.
+        unsafe { sys::cuGraphUpload(exec as sys::CUgraphExec, stream.cu_stream()) }
+    })
+}
+
 /// Turns "nothing captured" into an error for callers that need a graph.
 pub(crate) fn require_graph(graph: Option<Graph>) -> Result<Graph> {
     graph.ok_or(Error::Graph(GraphError::EmptyCapture))
