@@ -430,6 +430,19 @@ class PipelinedTrainer:
         for trainer in self._trainers:
             trainer.copy_kernel = kernel
 
+    def twin(self, device: Optional[int] = None) -> Dict[str, Any]:
+        """:meth:`stablebuf.publish.Trainer.twin`: the weights laid out as in the engine's sets,
+        one buffer on ``device``; a :meth:`publish` of exactly these tensors is one copy. One
+        buffer serves both regions where their layouts agree (two copies of one model
+        allocated alike: the usual case); a region laid out otherwise takes them tensor by
+        tensor."""
+        first = self._trainers[0]
+        views = first.twin(device)
+        for trainer in self._trainers[1:]:
+            if trainer.manifest.entries == first.manifest.entries:
+                trainer._twin = first._twin
+        return views
+
     @classmethod
     def connect(cls, path: str, **kwargs: Any) -> "PipelinedTrainer":
         """Connects to both sockets of the engine at ``path`` (keyword arguments as for
@@ -496,7 +509,11 @@ class PipelinedTrainer:
         ``(region, set)``."""
         checked_at = time.perf_counter()
         SharePacer(share)
-        problem = self.manifest.first_mismatch(weights, dtypes=False)
+        problem = (
+            None
+            if self._trainers[0]._is_twin(weights)
+            else self.manifest.first_mismatch(weights, dtypes=False)
+        )
         if problem is not None:
             from ._native import OfferMismatch
 

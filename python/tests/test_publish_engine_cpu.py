@@ -10,6 +10,7 @@ real memory."""
 from __future__ import annotations
 
 import inspect
+import math
 import statistics
 import sys
 import time
@@ -672,6 +673,9 @@ class _View:
     def element_size(self):
         return {"bfloat16": 2, "float32": 4}.get(self.dtype, 1)
 
+    def numel(self):
+        return math.prod(self.shape)
+
     def dim(self):
         return len(self.shape)
 
@@ -708,7 +712,7 @@ class _TrainerCuda:
 
 
 class _TrainerTorch:
-    bfloat16, float32 = "bfloat16", "float32"
+    bfloat16, float32, uint8 = "bfloat16", "float32", "uint8"
 
     def __init__(self, current, log):
         self.cuda = _TrainerCuda(current, log)
@@ -792,6 +796,29 @@ def test_a_peer_trainer_writes_through_views_on_its_own_device_then_waits_then_c
     for key in ("acquire_s", "issue_s", "wait_s", "paused_s", "commit_s", "total_s"):
         assert parts[key] >= 0.0
     assert parts["total_s"] >= parts["issue_s"] + parts["wait_s"]
+
+
+def test_a_twin_publish_is_one_copy_of_the_whole_layout_and_skips_the_checks(monkeypatch):
+    from stablebuf._manifest import Manifest
+
+    trainer, weights, log = _trainer(writer=3)
+    twin = trainer.twin()  # on the current device, 3
+    assert set(twin) == {"a", "b"} and twin["a"].shape == (4, 2) and twin["b"].dtype == "float32"
+    again = trainer.twin()
+    assert all(again[n] is twin[n] for n in twin), "made once and kept"
+    assert ("from_dlpack", 3) not in log  # nothing of the sets touched yet
+
+    def no_checks(*_, **__):
+        raise AssertionError("a twin's tensors need no per-tensor checks")
+
+    monkeypatch.setattr(Manifest, "first_mismatch", no_checks)
+    assert trainer.publish(twin, version=1) == 1
+    assert [e for e in log if e[0] == "copy"] == [("copy", 3, "cuda:3")]  # the whole layout at once
+    parts = trainer.last_write
+    assert parts["twin"] == 1.0 and parts["copies"] == 1.0 and parts["chunks"] == 1.0
+    assert log.index(("commit", 1, 1)) > max(i for i, e in enumerate(log) if e[0] == "sync")
+    # Other tensors (even with the twin's names) go tensor by tensor, checked.
+    assert not trainer._is_twin(weights) and not trainer._is_twin({"a": twin["a"]})
 
 
 def test_views_on_the_sets_device_copy_between_devices_and_say_so():
