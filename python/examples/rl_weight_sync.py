@@ -48,7 +48,7 @@ wrong.
 
 Run: ``python python/examples/rl_weight_sync.py [--gib 1,8] [--versions 20] [--share 1,0.5,0.2]
 [--trainer-device 0 --engine-device 1] [--views trainer|engine,...] [--layout twin,own]
-[--copy-kernel copy_,foreach] [--chunk-mib 64,16]`` (``--help``). Every list runs each value in
+[--chunk-mib 64,16]`` (``--help``). Every list runs each value in
 turn; the verdicts judge the first of each, and the rest are reported beside it.
 
 The trainer keeps its weights in ``Trainer.twin()`` by default (``--layout twin``): laid out as
@@ -74,14 +74,7 @@ import torch.multiprocessing as mp
 
 import stablebuf
 from stablebuf._pipelined import PARTS, PipelinedEngine, PipelinedTrainer
-from stablebuf._share import (
-    COPY_KERNELS,
-    DEFAULT_COPY_KERNEL,
-    DEFAULT_COPY_STREAMS,
-    summarize,
-    time_lost,
-    undisturbed_period,
-)
+from stablebuf._share import DEFAULT_COPY_STREAMS, summarize, time_lost, undisturbed_period
 
 GiB = 1 << 30
 
@@ -149,12 +142,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="comma list: streams a full-speed write spreads its copies over (Trainer.copy_streams)",
     )
     parser.add_argument(
-        "--copy-kernel",
-        default=DEFAULT_COPY_KERNEL,
-        help="comma list of how the trainer queues its copies (Trainer.copy_kernel): "
-        + ", ".join(COPY_KERNELS),
-    )
-    parser.add_argument(
         "--layout",
         default="twin",
         help="comma list of where the trainer keeps its weights for stablebuf and pipelined: "
@@ -175,15 +162,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.shares = [float(v) for v in args.share.split(",")]
     args.stream_list = [int(v) for v in args.copy_streams.split(",") if v]
-    args.kernel_list = [v for v in args.copy_kernel.split(",") if v]
     args.chunk_list = [float(v) for v in args.chunk_mib.split(",") if v]
     args.layout_list = [v for v in args.layout.split(",") if v]
     if not args.layout_list or any(v not in ("twin", "own") for v in args.layout_list):
         parser.error("--layout: a comma list of twin, own")
     if not args.chunk_list or any(v <= 0 for v in args.chunk_list):
         parser.error("--chunk-mib: a comma list of positive sizes")
-    if not args.kernel_list or any(v not in COPY_KERNELS for v in args.kernel_list):
-        parser.error(f"--copy-kernel: a comma list of {', '.join(COPY_KERNELS)}")
     args.method_list = [m for m in args.methods.split(",") if m]
     args.view_list = [v for v in args.views.split(",") if v]
     if any(v not in ("trainer", "engine") for v in args.view_list) or not args.view_list:
@@ -304,7 +288,7 @@ def link_probe(trainer, method: str, params: dict, tdev: int, edev: int, nbytes:
     out = {
         "peer": best(lambda: peer.copy_(source, non_blocking=True), n),
         "flat": best(lambda: flat[:n].copy_(source, non_blocking=True), n),
-        "write": best(lambda: write_shared(torch, views, params, kernel=owner.copy_kernel), total),
+        "write": best(lambda: write_shared(torch, views, params), total),
     }
     del source, peer
     torch.cuda.empty_cache()
@@ -315,8 +299,8 @@ def link_probe(trainer, method: str, params: dict, tdev: int, edev: int, nbytes:
 
 
 def trainer_main(method: str, args: argparse.Namespace, conn, path: str, views: str,
-                 streams: int = DEFAULT_COPY_STREAMS, kernel: str = DEFAULT_COPY_KERNEL,
-                 chunk_mib: float = 64.0, layout: str = "twin") -> None:
+                 streams: int = DEFAULT_COPY_STREAMS, chunk_mib: float = 64.0,
+                 layout: str = "twin") -> None:
     from torch.multiprocessing.reductions import reduce_tensor
 
     tdev, edev = args.trainer_device, args.engine_device
@@ -352,12 +336,12 @@ def trainer_main(method: str, args: argparse.Namespace, conn, path: str, views: 
         else:
             trainer = stablebuf.publish.Trainer.connect(path, **kwargs)
         trainer.copy_streams = streams
-        trainer.copy_kernel = kernel
         if layout == "twin":  # the trainer's weights move into the set's layout, for good
             twin = trainer.twin()
             for n, t in twin.items():
                 t.copy_(params[n])
-            params = twin
+            # In the model's order, not the set's: forward() stacks one output row per tensor.
+            params = {n: twin[n] for n in params}
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
     conn.send(setup)
@@ -468,15 +452,14 @@ def pull(dst, src, staging) -> None:
 
 
 def run_method(method, share, args, params, served, pair, ctx, views="trainer",
-               streams=DEFAULT_COPY_STREAMS, kernel=DEFAULT_COPY_KERNEL, chunk_mib=64.0,
-               layout="twin") -> dict:
+               streams=DEFAULT_COPY_STREAMS, chunk_mib=64.0, layout="twin") -> dict:
     conn, child_conn = ctx.Pipe()
     path = os.path.join(tempfile.mkdtemp(prefix="rl-sync-"), "engine.sock")
     engine = None
     free_before = torch.cuda.mem_get_info()[0]
     proc = ctx.Process(
         target=trainer_main,
-        args=(method, args, child_conn, path, views, streams, kernel, chunk_mib, layout),
+        args=(method, args, child_conn, path, views, streams, chunk_mib, layout),
         daemon=True,
     )
     proc.start()
@@ -669,7 +652,6 @@ def run_method(method, share, args, params, served, pair, ctx, views="trainer",
         "share": share,
         "views": views if two_gpus and method in PUBLISH_METHODS else "-",
         "streams": streams if method in PUBLISH_METHODS else 1,
-        "kernel": kernel if method in PUBLISH_METHODS else DEFAULT_COPY_KERNEL,
         "layout": layout if method in PUBLISH_METHODS else "own",
         "chunk_mib": chunk_mib if method in PUBLISH_METHODS and share < 1.0 else 0.0,
         "write_ms": ms("write"),
@@ -736,8 +718,6 @@ def label(r) -> str:
     tail = "/engine-views" if r.get("views") == "engine" else ""
     if r["method"] in PUBLISH_METHODS and r.get("streams", DEFAULT_COPY_STREAMS) != DEFAULT_COPY_STREAMS:
         tail += f"/{r['streams']}-stream"
-    if r["method"] in PUBLISH_METHODS and r.get("kernel", DEFAULT_COPY_KERNEL) != DEFAULT_COPY_KERNEL:
-        tail += f"/{r['kernel']}"
     if r["method"] in PUBLISH_METHODS and r.get("layout", "twin") != "twin":
         tail += f"/{r['layout']}"
     if r.get("chunk_mib"):
@@ -788,13 +768,12 @@ def report_parts(results, args, nbytes, alone_ms) -> None:
 
 def compared_only(r, args) -> bool:
     """A run the verdicts leave out (reported beside the others): views on the engine's GPU,
-    or another stream count or copy kernel than the first of ``--copy-streams`` /
-    ``--copy-kernel``."""
+    or another stream count, layout or chunk than the first of ``--copy-streams``,
+    ``--layout``, ``--chunk-mib``."""
     if r["method"] not in PUBLISH_METHODS:
         return False
     return (r.get("views") == "engine"
             or r.get("streams", DEFAULT_COPY_STREAMS) != args.stream_list[0]
-            or r.get("kernel", DEFAULT_COPY_KERNEL) != args.kernel_list[0]
             or r.get("layout", "twin") != args.layout_list[0]
             or (r["share"] < 1.0 and r.get("chunk_mib", args.chunk_list[0]) != args.chunk_list[0]))
 
@@ -928,7 +907,7 @@ def report(results, args, nbytes, alone_ms=math.nan) -> None:
             f"{gbps:.1f} GB/s vs {r['peer_gbps']:.1f} GB/s peer copy "
             f"({gbps / r['peer_gbps']:.2f}x, target >= 0.9x)"
             + ("" if two_gpus else "; needs --trainer-device != --engine-device")
-            + ("; views on the engine's GPU, or another stream count or copy kernel than the "
+            + ("; views on the engine's GPU, or another stream count, layout or chunk than the "
                "first asked: reported only" if compared else ""),
         )
     wrong = sum(r["wrong"] for r in results)
@@ -1016,14 +995,13 @@ def main(argv=None) -> int:
             views_list = args.view_list if publishing and two_gpus else ["trainer"]
             streams_list = (args.stream_list if publishing and share >= 1.0
                             else [DEFAULT_COPY_STREAMS])
-            kernels = args.kernel_list if publishing else [DEFAULT_COPY_KERNEL]
             chunks = args.chunk_list if publishing and share < 1.0 else args.chunk_list[:1]
             layouts = args.layout_list if publishing else ["own"]
-            for views, streams, kernel, chunk_mib, layout in itertools.product(
-                views_list, streams_list, kernels, chunks, layouts
+            for views, streams, chunk_mib, layout in itertools.product(
+                views_list, streams_list, chunks, layouts
             ):
                 result = run_method(method, share, args, params, served, pair, ctx, views,
-                                    streams, kernel, chunk_mib, layout)
+                                    streams, chunk_mib, layout)
                 result["alone_ms"] = alone_ms
                 results.append(result)
                 print(

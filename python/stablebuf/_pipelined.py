@@ -68,7 +68,6 @@ from .publish import (
     _POLL_SECONDS,
     PollStatus,
     Trainer,
-    _check_kernel,
     _tensors_of,
     _wait_for_message,
     manifest_entries,
@@ -418,17 +417,6 @@ class PipelinedTrainer:
     def copy_streams(self, streams: int) -> None:
         for trainer in self._trainers:
             trainer.copy_streams = int(streams)
-
-    @property
-    def copy_kernel(self) -> str:
-        """:attr:`stablebuf.publish.Trainer.copy_kernel` of both regions' trainers."""
-        return self._trainers[0].copy_kernel
-
-    @copy_kernel.setter
-    def copy_kernel(self, kernel: str) -> None:
-        _check_kernel(kernel)
-        for trainer in self._trainers:
-            trainer.copy_kernel = kernel
 
     def twin(self, device: Optional[int] = None) -> Dict[str, Any]:
         """:meth:`stablebuf.publish.Trainer.twin`: the weights laid out as in the engine's sets,

@@ -20,16 +20,6 @@ DEFAULT_CHUNK_BYTES = 64 << 20
 #: stream's 322 GB/s in the same run; more streams are there to try on other links.
 DEFAULT_COPY_STREAMS = 1
 
-#: How a write queues its copies (``Trainer.copy_kernel``):
-#: - ``"copy_"``: one ``copy_`` per tensor, each its own copy on the copy engine;
-#: - ``"foreach"``: ``torch._foreach_copy_`` over all the tensors (or a chunk's slices): a few
-#:   multi-tensor kernels on the SMs instead of one copy per tensor. Pairs it cannot take on
-#:   its fast path (two devices, two dtypes) it copies one by one, as ``copy_`` does.
-#: Over NVLink (2 x H200, 75 copies, 1 GiB) per-tensor copies ran at 341 GB/s on the GPU
-#: against one 1 GiB peer copy's 392: the gaps between copies (issue 41 item 3).
-COPY_KERNELS = ("copy_", "foreach")
-DEFAULT_COPY_KERNEL = "copy_"
-
 Chunk = List[Tuple[str, int, int]]  # (tensor name, first row, row after the last)
 
 
@@ -152,16 +142,6 @@ def _copy_over_lanes(torch: Any, dst: Mapping[str, Any], src: Mapping[str, Any],
         current.wait_stream(lane)
 
 
-def _queue_copies(torch: Any, pairs: Sequence[Tuple[Any, Any]], kernel: str) -> None:
-    """Queues ``target.copy_(source)`` for every pair, the way ``kernel`` says."""
-    foreach = getattr(torch, "_foreach_copy_", None) if kernel == "foreach" else None
-    if foreach is not None and len(pairs) > 1:
-        foreach([t for t, _ in pairs], [s for _, s in pairs], non_blocking=True)
-        return
-    for target, source in pairs:
-        target.copy_(source, non_blocking=True)
-
-
 def write_shared(
     torch: Any,
     dst: Mapping[str, Any],
@@ -171,7 +151,6 @@ def write_shared(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     devices: Sequence[int] = (),
     lanes: Any = (),
-    kernel: str = DEFAULT_COPY_KERNEL,
 ) -> Dict[str, float]:
     """Copies ``src[name]`` into ``dst[name]`` (same shapes; cast by ``copy_``). With ``share``
     1 every copy is queued at once (the caller synchronises); given two or more ``lanes``
@@ -179,21 +158,17 @@ def write_shared(
     copies all on that device, they are spread over the
     lanes, balanced by bytes, after the current stream's work, and the current stream waits
     for them (meant to hide one copy's start-up behind another's transfer; see
-    :data:`DEFAULT_COPY_STREAMS` for what it did on NVLink). ``kernel`` (:data:`COPY_KERNELS`)
-    says how the copies of one queue go: one ``copy_`` each, or ``torch._foreach_copy_`` over
-    them all (per chunk below share 1; the lanes always copy one by one). Below 1 the copies go in chunks
+    :data:`DEFAULT_COPY_STREAMS` for what it did on NVLink). Below 1 the copies go in chunks
     (:func:`plan_chunks`); after each chunk the current device and ``devices`` are synchronised
     and the writer sleeps :meth:`SharePacer.pause_after` the chunk's time, so the engine sharing
     the GPU or the link gets the rest.
 
-    Returns where the time went (seconds) and what was done: ``chunks``; ``copies`` (tensors or
-    slices copied); ``foreach`` (1 if ``torch._foreach_copy_`` was asked for); ``cross_device`` (those between two devices, see :func:`crosses_devices`: 0 when
+    Returns where the time went (seconds) and what was done: ``chunks``; ``copies`` (``copy_``
+    calls); ``cross_device`` (those between two devices, see :func:`crosses_devices`: 0 when
     the destination's views live on the source's device, as a trainer's are); ``issue_s``
     (queuing the copies); ``wait_s`` (in the chunks' synchronisations: 0 at share 1);
     ``busy_s`` (``issue_s + wait_s``); ``paused_s`` (the pacer's sleeps)."""
     pacer = SharePacer(share)
-    if kernel not in COPY_KERNELS:
-        raise ValueError(f"kernel={kernel!r}: one of {', '.join(COPY_KERNELS)}")
     if pacer.off and lanes and _all_on_current_device(torch, dst, src):
         lanes = lanes() if callable(lanes) else lanes
     else:
@@ -211,13 +186,14 @@ def write_shared(
             "busy_s": issue,
             "paused_s": 0.0,
             "lanes": float(len(lanes)),
-            "foreach": 0.0,
         }
     if pacer.off:
+        cross = 0
         start = time.perf_counter()
-        pairs = [(dst[name], source) for name, source in src.items()]
-        cross = sum(crosses_devices(target, source) for target, source in pairs)
-        _queue_copies(torch, pairs, kernel)
+        for name, source in src.items():
+            target = dst[name]
+            cross += crosses_devices(target, source)
+            target.copy_(source, non_blocking=True)
         issue = time.perf_counter() - start
         return {
             "chunks": 1.0,
@@ -227,7 +203,6 @@ def write_shared(
             "wait_s": 0.0,
             "busy_s": issue,
             "paused_s": 0.0,
-            "foreach": float(kernel == "foreach"),
         }
     plan = plan_chunks(
         ((n, tuple(dst[n].shape), dst[n].element_size()) for n in src), chunk_bytes
@@ -236,13 +211,14 @@ def write_shared(
     copies = cross = 0
     for chunk in plan:
         start = time.perf_counter()
-        pairs = []
         for name, lo, hi in chunk:
             target, source = dst[name], src[name]
             cross += crosses_devices(target, source)
             copies += 1
-            pairs.append((target, source) if target.dim() == 0 else (target[lo:hi], source[lo:hi]))
-        _queue_copies(torch, pairs, kernel)
+            if target.dim() == 0:
+                target.copy_(source, non_blocking=True)
+            else:
+                target[lo:hi].copy_(source[lo:hi], non_blocking=True)
         queued = time.perf_counter()
         torch.cuda.synchronize()
         for device in devices:
@@ -262,7 +238,6 @@ def write_shared(
         "wait_s": wait,
         "busy_s": issue + wait,
         "paused_s": paused,
-        "foreach": float(kernel == "foreach"),
     }
 
 

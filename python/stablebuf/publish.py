@@ -66,14 +66,7 @@ from ._native import (
     VersionConflict,
     WeightSet,
 )
-from ._share import (
-    COPY_KERNELS,
-    DEFAULT_CHUNK_BYTES,
-    DEFAULT_COPY_KERNEL,
-    DEFAULT_COPY_STREAMS,
-    SharePacer,
-    write_shared,
-)
+from ._share import DEFAULT_CHUNK_BYTES, DEFAULT_COPY_STREAMS, SharePacer, write_shared
 from ._switcher import (
     DEFAULT_AGREE_EVERY,
     StartMin,
@@ -244,11 +237,6 @@ def _views_over(torch: Any, flat: Any, manifest: Manifest) -> Dict[str, Any]:
         typed = piece.view(dtype) if e.span else torch.empty(0, dtype=dtype, device=flat.device)
         views[e.name] = typed.as_strided(e.shape, e.stride) if e.span else typed.reshape(e.shape)
     return views
-
-
-def _check_kernel(kernel: str) -> None:
-    if kernel not in COPY_KERNELS:
-        raise ValueError(f"copy_kernel={kernel!r}: one of {', '.join(COPY_KERNELS)}")
 
 
 class _GpuSpan:
@@ -780,10 +768,6 @@ class Trainer:
         #: Streams a full-speed write (share 1) spreads its copies over
         #: (:func:`stablebuf._share.write_shared`); 1: the current stream alone.
         self.copy_streams = DEFAULT_COPY_STREAMS
-        #: How :meth:`publish` queues its copies: ``"copy_"`` (one per tensor) or
-        #: ``"foreach"`` (``torch._foreach_copy_``: a few multi-tensor kernels); see
-        #: :data:`stablebuf._share.COPY_KERNELS`.
-        self.copy_kernel = DEFAULT_COPY_KERNEL
         self._lanes: Dict[int, List[Any]] = {}  # device -> its copy streams, made on first use
         # (device, flat buffer, its views): see twin().
         self._twin: Optional[Tuple[int, Any, Dict[str, Any]]] = None
@@ -1028,7 +1012,6 @@ class Trainer:
         takes about 1/``share`` as long. :attr:`last_write` says where the time went."""
         checked_at = time.perf_counter()
         SharePacer(share)  # ValueError for a share outside (0, 1], before anything else
-        _check_kernel(self.copy_kernel)
         problem = (
             None if self._is_twin(weights) else self.manifest.first_mismatch(weights, dtypes=False)
         )
@@ -1076,7 +1059,6 @@ class Trainer:
             devices=self._other_devices(set_id),
             # Made only for a full-speed write on one device.
             lanes=self._copy_lanes if self.copy_streams > 1 else (),
-            kernel=self.copy_kernel,
         )
         span.stop()
         start = time.perf_counter()
@@ -1091,7 +1073,6 @@ class Trainer:
             "copies": info["copies"],
             "cross_device": info["cross_device"],
             "lanes": info.get("lanes", 1.0),
-            "foreach": info.get("foreach", 0.0),
             "twin": float(twin),
             "bytes": float(self._bytes),
             "writer": float(writer),

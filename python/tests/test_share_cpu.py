@@ -11,8 +11,6 @@ import time
 import pytest
 
 from stablebuf._share import (
-    COPY_KERNELS,
-    DEFAULT_COPY_KERNEL,
     SharePacer,
     balance_lanes,
     crosses_devices,
@@ -206,50 +204,6 @@ def test_write_shared_says_where_the_time_went():
     assert info["busy_s"] == pytest.approx(info["issue_s"] + info["wait_s"])
     # Share 0.5: as long paused as busy.
     assert info["paused_s"] == pytest.approx(info["busy_s"], rel=1e-6)
-
-
-class _ForeachTorch(_FakeTorch):
-    """A stand-in torch with ``_foreach_copy_``: records each call's pairs."""
-
-    def __init__(self):
-        super().__init__()
-        self.foreach_calls = []
-
-    def _foreach_copy_(self, targets, sources, non_blocking=False):
-        assert non_blocking and len(targets) == len(sources)
-        self.foreach_calls.append(list(zip(targets, sources)))
-
-
-def test_foreach_queues_one_call_per_queue_and_per_chunk():
-    assert DEFAULT_COPY_KERNEL in COPY_KERNELS
-    log = []
-    src = {n: _OnDevice("cuda:0", log) for n in "abc"}
-    dst = {n: _OnDevice("cuda:0", log) for n in "abc"}
-    fake = _ForeachTorch()
-    info = write_shared(fake, dst, src, share=1.0, kernel="foreach")
-    assert log == [] and len(fake.foreach_calls) == 1
-    assert fake.foreach_calls[0] == [(dst[n], src[n]) for n in "abc"]
-    assert info["copies"] == 3.0 and info["foreach"] == 1.0 and info["chunks"] == 1.0
-    # Below share 1: one call per chunk (16 bytes = one tensor per chunk here, so each chunk
-    # has a single pair and is copied with copy_; 48 bytes = the three in one chunk).
-    fake = _ForeachTorch()
-    info = write_shared(fake, dst, src, share=0.9, chunk_bytes=48, kernel="foreach")
-    assert len(fake.foreach_calls) == 1 and len(fake.foreach_calls[0]) == 3
-    assert info["chunks"] == 1.0 and fake.cuda.syncs == [None]
-    fake = _ForeachTorch()
-    write_shared(fake, dst, src, share=0.9, chunk_bytes=16, kernel="foreach")
-    assert fake.foreach_calls == [] and len(log) == 3
-
-
-def test_foreach_falls_back_to_copy_without_it_and_an_unknown_kernel_is_refused():
-    log = []
-    src = {n: _OnDevice("cuda:0", log) for n in "ab"}
-    dst = {n: _OnDevice("cuda:1", log) for n in "ab"}
-    info = write_shared(_FakeTorch(), dst, src, share=1.0, kernel="foreach")  # no _foreach_copy_
-    assert len(log) == 2 and info["cross_device"] == 2.0
-    with pytest.raises(ValueError, match="kernel"):
-        write_shared(_FakeTorch(), dst, src, share=1.0, kernel="memcpy")
-    assert len(log) == 2  # refused before anything was queued
 
 
 def test_percentiles_are_nearest_rank_and_the_summary_is_right():
