@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 41 on two GPUs (nvidia-h200-x2, alone): the trainer's weights in Trainer.twin() (a
 # publish is one copy) against its own tensors, at 1 and 8 GiB: items 1-3 with the link probes.
-# (g4.sh is the same plus a one-GPU part, which ran as g5.sh when no x2 was lent.)
+# (Its first version also had a one-GPU part; no x2 was lent then, and that part ran as g5.sh.)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TORCH_NCCL_ENABLE_MONITORING=0
 L=/tmp/L; rm -rf $L; mkdir -p $L
