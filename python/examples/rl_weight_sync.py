@@ -74,6 +74,7 @@ import torch.multiprocessing as mp
 
 import stablebuf
 from stablebuf._pipelined import PARTS, PipelinedEngine, PipelinedTrainer
+from stablebuf._pulling import PullingEngine
 from stablebuf._share import DEFAULT_COPY_STREAMS, summarize, time_lost, undisturbed_period
 
 GiB = 1 << 30
@@ -106,7 +107,9 @@ BUCKET = 512 * MiB
 TAG = "rl-weights"
 TAGS_PIPELINED = ("rl-weights-a", "rl-weights-b")
 PAUSE_METHODS = ("ipc-copy", "ipc-buckets")
-PUBLISH_METHODS = ("stablebuf", "pipelined")
+PUBLISH_METHODS = ("stablebuf", "pipelined", "pulled")
+#: The methods with two regions and a graph each (PipelinedEngine, PullingEngine).
+TWO_GRAPHS = ("pipelined", "pulled")
 PREFIX = "rl_weight_sync:"
 
 
@@ -259,7 +262,7 @@ def link_probe(trainer, method: str, params: dict, tdev: int, edev: int, nbytes:
     from stablebuf._share import write_shared
     from stablebuf.publish import _flat_on
 
-    if method == "pipelined":
+    if method in TWO_GRAPHS:
         region, set_id = trainer.acquire()
         owner = trainer._trainers[region]
     else:
@@ -331,7 +334,7 @@ def trainer_main(method: str, args: argparse.Namespace, conn, path: str, views: 
         if edev != tdev:
             kwargs["access"] = [edev, tdev]
             kwargs["writer"] = tdev if views == "trainer" else edev
-        if method == "pipelined":
+        if method in TWO_GRAPHS:  # connect() finds a pulling engine's staging socket
             trainer = PipelinedTrainer.connect(path, **kwargs)
         else:
             trainer = stablebuf.publish.Trainer.connect(path, **kwargs)
@@ -359,6 +362,8 @@ def trainer_main(method: str, args: argparse.Namespace, conn, path: str, views: 
             # "Training", not part of the publish: done before the engine's undisturbed steps,
             # so that on one GPU its kernels do not share the GPU with the steps measured.
             version = message[1]
+            if method == "pulled":  # the weights are the staging set: wait until it was read
+                trainer.acquire(timeout=60)
             fill_version(params, version, dev)
             reference = forward(params, x).cpu()
             torch.cuda.synchronize()
@@ -468,6 +473,9 @@ def run_method(method, share, args, params, served, pair, ctx, views="trainer",
         engine = stablebuf.publish.Engine(TAG, path, params)
     elif method == "pipelined":
         engine = PipelinedEngine(TAGS_PIPELINED, path, pair.params, lambda i: pair.served[i].graph)
+    elif method == "pulled":
+        engine = PullingEngine(TAGS_PIPELINED, path, pair.params, lambda i: pair.served[i].graph,
+                               chunk_bytes=int(chunk_mib * MiB))
     if engine is not None and not engine.accept(timeout=300):
         raise RuntimeError("the trainer did not connect")
     setup = conn.recv()
@@ -483,12 +491,12 @@ def run_method(method, share, args, params, served, pair, ctx, views="trainer",
     torch.cuda.synchronize()
 
     def step():
-        if method == "pipelined":
+        if method in TWO_GRAPHS:
             return timed_step(pair.served[engine.current].out, engine.step)
         return timed_step(served.out, served.graph.replay)
 
     def output():
-        return (pair.served[engine.current] if method == "pipelined" else served).out
+        return (pair.served[engine.current] if method in TWO_GRAPHS else served).out
 
     def boundary():
         if engine is None:
@@ -518,6 +526,8 @@ def run_method(method, share, args, params, served, pair, ctx, views="trainer",
         # The trainer makes this version's weights first, while the engine waits (on one GPU
         # its kernels would be time-sliced with the steps measured below).
         conn.send(("train", version))
+        while not conn.poll(0.001):
+            boundary()  # a pulling engine hands its staging set back at a poll
         trained = conn.recv()
         if trained[:2] != ("trained", version):
             raise RuntimeError(f"the trainer answered {trained[:2]!r} to train {version}")
@@ -588,7 +598,7 @@ def run_method(method, share, args, params, served, pair, ctx, views="trainer",
                         "launched_at": launched_at,
                         "first_step": e - s,
                     }
-                    if method == "pipelined":
+                    if method in TWO_GRAPHS:
                         parts = engine.switches[-1]
                         row.update({p: parts[p] / 1e6 for p in PARTS})
                         row["launched_at"] = parts["launched_at"]
@@ -653,7 +663,8 @@ def run_method(method, share, args, params, served, pair, ctx, views="trainer",
         "views": views if two_gpus and method in PUBLISH_METHODS else "-",
         "streams": streams if method in PUBLISH_METHODS else 1,
         "layout": layout if method in PUBLISH_METHODS else "own",
-        "chunk_mib": chunk_mib if method in PUBLISH_METHODS and share < 1.0 else 0.0,
+        "chunk_mib": (chunk_mib if method == "pulled" or (method in PUBLISH_METHODS and share < 1.0)
+                      else 0.0),
         "write_ms": ms("write"),
         "lost_ms": ms("lost"),
         "longest_ms": ms("longest"),
@@ -668,6 +679,8 @@ def run_method(method, share, args, params, served, pair, ctx, views="trainer",
         "peer_gbps": setup["peer_gbps"],
         "probes": probes,
         "wrong": wrong,
+        # pulled: per region, the chunks and copy calls a version takes.
+        "pull_plan": list(engine.plan) if method == "pulled" else None,
     }
     if method in PUBLISH_METHODS:
         for key in ("in_flight", "to_launch", "to_launch_call", "to_launch_total") + PARTS:
@@ -775,7 +788,7 @@ def compared_only(r, args) -> bool:
     return (r.get("views") == "engine"
             or r.get("streams", DEFAULT_COPY_STREAMS) != args.stream_list[0]
             or r.get("layout", "twin") != args.layout_list[0]
-            or (r["share"] < 1.0 and r.get("chunk_mib", args.chunk_list[0]) != args.chunk_list[0]))
+            or (bool(r.get("chunk_mib")) and r["chunk_mib"] != args.chunk_list[0]))
 
 
 def verdict(what: str, ok, detail: str) -> None:
@@ -834,6 +847,12 @@ def report(results, args, nbytes, alone_ms=math.nan) -> None:
               f"({gbps:6.1f} GB/s) | lost {fmt(r['lost_ms'])} ms/publish | longest step "
               f"{r['longest_ms']['max'] / r['quiet_ms']:.2f}x undisturbed (max over publishes)")
 
+    for r in publish:
+        if r.get("pull_plan"):
+            plan = ", ".join(f"{chunks} chunks in {calls} copy calls" for chunks, calls in
+                             r["pull_plan"])
+            print(f"{PREFIX}   {label(r)}: the engine's copies of a version, per region: {plan}")
+
     report_parts(results, args, nbytes, alone_ms)
 
     # ------------------------------------------------------------------ verdicts
@@ -874,6 +893,13 @@ def report(results, args, nbytes, alone_ms=math.nan) -> None:
             )
             low = min(runs, key=lambda r: r["share"])
             ratio = low["longest_ms"]["max"] / low["quiet_ms"]  # the longest of every publish
+            if method == "pulled":  # the engine copies a chunk per step: its own share
+                verdict(
+                    f"item 2, pulled longest step, {low['chunk_mib']:g} MiB a step (one GPU)",
+                    ratio <= 1.2,
+                    f"{ratio:.2f}x undisturbed (target <= 1.2x)",
+                )
+                continue
             verdict(
                 f"item 2, {method} longest step at share {low['share']:.2f} (one GPU)",
                 ratio <= 1.2 if low["share"] < 1.0 else None,
@@ -983,7 +1009,7 @@ def main(argv=None) -> int:
     )
     x = probes(args, device)
     served = Served(params, x, TAG)
-    pair = Pair(shapes, x, device) if "pipelined" in args.method_list else None
+    pair = Pair(shapes, x, device) if set(TWO_GRAPHS) & set(args.method_list) else None
     # The engine's step with no trainer process (and its contexts on the GPUs) alive yet.
     alone = [timed_step(served.out, served.graph.replay) for _ in range(max(20, args.quiet_steps))]
     alone_ms = summarize([e - s for s, e, _, _ in alone])["median"] * 1e3
@@ -991,12 +1017,16 @@ def main(argv=None) -> int:
     results = []
     for method in args.method_list:
         publishing = method in PUBLISH_METHODS
-        for share in (args.shares if publishing else [1.0]):
+        # pulled: the engine copies a chunk per step itself (--chunk-mib is its share), out of
+        # the staging set the trainer trains in (the twin): no share, no other layout.
+        for share in (args.shares if publishing and method != "pulled" else [1.0]):
             views_list = args.view_list if publishing and two_gpus else ["trainer"]
             streams_list = (args.stream_list if publishing and share >= 1.0
                             else [DEFAULT_COPY_STREAMS])
-            chunks = args.chunk_list if publishing and share < 1.0 else args.chunk_list[:1]
-            layouts = args.layout_list if publishing else ["own"]
+            chunks = (args.chunk_list if publishing and (share < 1.0 or method == "pulled")
+                      else args.chunk_list[:1])
+            layouts = (["twin"] if method == "pulled"
+                       else args.layout_list if publishing else ["own"])
             for views, streams, chunk_mib, layout in itertools.product(
                 views_list, streams_list, chunks, layouts
             ):

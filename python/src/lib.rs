@@ -136,6 +136,27 @@ impl WeightSet {
         self.snapshot.bytes()
     }
 
+    /// The set's memory as a one-dimensional `uint8` array for `torch.from_dlpack`, at the
+    /// set's own (home) address, whether or not it is bound: the same physical memory as the
+    /// region's addresses while it is bound there, so a copy into it changes what the
+    /// region's tensors (and graphs) read. The array keeps the set alive; work queued on it
+    /// must be ordered against the region's readers by the caller (events), as for any copy.
+    fn memory<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, crate::dlpack::DlpackExport>> {
+        let device = regions::device(&self.tag)?;
+        let snapshot = (*self.snapshot).clone();
+        let tag = self.tag.clone();
+        let ptr = py.detach(move || regions::home_of(&tag, &snapshot))?;
+        // The capsules' owner: dropped wherever PyTorch frees the last tensor over the set.
+        let owner = std::sync::Arc::new(ContextNeutral::new((*self.snapshot).clone()));
+        let export = crate::dlpack::DlpackExport::new(
+            ptr,
+            self.snapshot.bytes(),
+            (crate::dlpack::DEVICE_CUDA, device),
+            owner,
+        );
+        Bound::new(py, export)
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "WeightSet(tag={:?}, id={}, nbytes={})",

@@ -494,6 +494,15 @@ pub fn base(tag: &str) -> Result<u64, Failure> {
     Ok(region(tag)?.base())
 }
 
+/// Where `weights` (a weight set of region `tag`) is mapped at its private home address, in
+/// `tag`'s context (the first call maps it: one map and set-access). Its memory is the bound
+/// memory when the set is bound, so a copy there changes what the region's tensors read.
+pub fn home_of(tag: &str, weights: &Snapshot) -> Result<u64, Failure> {
+    let region = region(tag)?;
+    let _scope = ContextScope::enter(region.context())?;
+    weights.home_ptr().map_err(|e| failure_of(e, &region))
+}
+
 /// The context of the region `tag` (where its weight sets live).
 pub fn device_context_of(tag: &str) -> Result<Arc<CudaContext>, Failure> {
     Ok(region(tag)?.context().clone())

@@ -76,6 +76,7 @@ from ._upload import upload_graph
 from ._weights import bind, bound, crossover_bytes, snapshot, switch, unbind, writing
 from . import publish  # noqa: E402  (weight publishing between processes; imports no torch)
 from ._pipelined import PipelinedEngine, PipelinedTrainer  # noqa: E402  (two regions; no torch)
+from ._pulling import PullingEngine  # noqa: E402  (one GPU: the engine copies; no torch)
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._graph import CUDAGraph
@@ -114,6 +115,7 @@ __all__ = [
     "note_use",
     "PipelinedEngine",
     "PipelinedTrainer",
+    "PullingEngine",
     "pool",
     "publish",
     "region",

@@ -55,6 +55,7 @@ call), and the stamps ``poll_at`` / ``launched_at`` (``time.monotonic_ns``, the 
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -85,6 +86,17 @@ _SUFFIXES = ("a", "b")
 def region_paths(path: str) -> Tuple[str, str]:
     """The two sockets of a :class:`PipelinedEngine` at ``path``."""
     return (f"{path}.{_SUFFIXES[0]}", f"{path}.{_SUFFIXES[1]}")
+
+
+def staging_path(path: str) -> str:
+    """The socket of a :class:`~stablebuf.PullingEngine`'s staging set at ``path``."""
+    return f"{path}.s"
+
+
+def is_pulling(path: str) -> bool:
+    """Whether the engine at ``path`` is a :class:`~stablebuf.PullingEngine` (its staging
+    socket exists)."""
+    return os.path.exists(staging_path(path))
 
 
 # What the engine knows of each region's set.
@@ -394,13 +406,21 @@ class PipelinedEngine:
         self.close()
 
 
+def _are_views_of(weights: Mapping[str, Any], views: Mapping[str, Any]) -> bool:
+    """Whether ``weights`` are exactly ``views`` (the same tensor objects, name by name)."""
+    return len(weights) == len(views) and all(views.get(n) is t for n, t in weights.items())
+
+
 class PipelinedTrainer:
     """The trainer of a :class:`PipelinedEngine`: one :class:`~stablebuf.publish.Trainer` per
     region; each version goes into whichever region's set the engine has released (the idle
     one), so the versions alternate between the regions."""
 
-    def __init__(self, trainers: Sequence[Trainer]) -> None:
+    def __init__(self, trainers: Sequence[Trainer], pulling: bool = False) -> None:
         self._trainers = list(trainers)
+        #: Whether the engine is a :class:`~stablebuf.PullingEngine` (one trainer: its staging
+        #: set; the engine copies each version in itself).
+        self.pulling = bool(pulling)
         self._versions = VersionBook(max(t.version for t in self._trainers))
         #: ``time.monotonic_ns()`` just before the last commit was sent.
         self.last_commit_at_ns = 0
@@ -425,6 +445,10 @@ class PipelinedTrainer:
         allocated alike: the usual case); a region laid out otherwise takes them tensor by
         tensor."""
         first = self._trainers[0]
+        if self.pulling:
+            # The staging set itself: train in it, acquire() before each change, publish()
+            # only commits.
+            return dict(first.tensors(first.set_ids[0]))
         views = first.twin(device)
         for trainer in self._trainers[1:]:
             if trainer.manifest.entries == first.manifest.entries:
@@ -436,6 +460,8 @@ class PipelinedTrainer:
         """Connects to both sockets of the engine at ``path`` (keyword arguments as for
         :meth:`stablebuf.publish.Trainer.connect`: ``expect``, ``device``, ``access``,
         ``writer``, ``timeout``, ...)."""
+        if is_pulling(path):  # a PullingEngine: its staging set only
+            return cls([Trainer.connect(staging_path(path), **kwargs)], pulling=True)
         trainers: List[Trainer] = []
         try:
             for p in region_paths(path):
@@ -512,7 +538,15 @@ class PipelinedTrainer:
         t0 = time.perf_counter()
         region, set_id = self.acquire(timeout)
         t1 = time.perf_counter()
-        parts = self._trainers[region]._write_synchronized(set_id, weights, share, chunk_bytes)
+        trainer = self._trainers[region]
+        if self.pulling and _are_views_of(weights, trainer.tensors(set_id)):
+            # Written in place (the staging set itself): nothing to copy, the engine copies.
+            trainer._synchronize(set_id)
+            parts = {"issue_s": 0.0, "wait_s": 0.0, "gpu_s": 0.0, "paused_s": 0.0,
+                     "chunks": 0.0, "copies": 0.0, "cross_device": 0.0, "lanes": 1.0,
+                     "bytes": float(trainer._bytes), "twin": 1.0}
+        else:
+            parts = trainer._write_synchronized(set_id, weights, share, chunk_bytes)
         t2 = time.perf_counter()
         self.commit(region, set_id, version)
         t3 = time.perf_counter()

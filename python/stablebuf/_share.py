@@ -60,6 +60,50 @@ def plan_chunks(items: Iterable[Tuple[str, Sequence[int], int]], chunk_bytes: in
     return chunks
 
 
+#: One byte copy: (destination offset, source offset, bytes).
+ByteCopy = Tuple[int, int, int]
+
+
+def plan_byte_copies(pieces: Iterable[ByteCopy], chunk_bytes: int) -> List[List[ByteCopy]]:
+    """Chunks of at most ``chunk_bytes`` bytes over ``pieces`` ``(destination offset, source
+    offset, bytes)`` (one per tensor, each its own bytes only), as few copies as can be.
+
+    Pieces that touch or overlap in both the source and the destination by the same shift (the
+    tensors of one model allocated side by side, alike in both places) become one run: copying
+    the run copies exactly their bytes, and a gap between tensors (another allocation's bytes)
+    is never in a run. Each run is then cut into chunks, in source order; a chunk may hold the
+    end of one run and the start of the next. Empty pieces are left out."""
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes={chunk_bytes}: must be positive")
+    runs: List[List[int]] = []  # [destination, source, bytes]
+    for dst, src, nbytes in sorted((int(d), int(s), int(n)) for d, s, n in pieces):
+        if nbytes <= 0:
+            continue
+        if dst < 0 or src < 0:
+            raise ValueError(f"a byte copy at ({dst}, {src}): offsets must not be negative")
+        last = runs[-1] if runs else None
+        if last is not None and dst - src == last[0] - last[1] and dst <= last[0] + last[2]:
+            last[2] = max(last[2], dst + nbytes - last[0])
+        else:
+            runs.append([dst, src, nbytes])
+    chunks: List[List[ByteCopy]] = []
+    current: List[ByteCopy] = []
+    used = 0
+    for dst, src, nbytes in runs:
+        done = 0
+        while done < nbytes:
+            take = min(nbytes - done, chunk_bytes - used)
+            current.append((dst + done, src + done, take))
+            done += take
+            used += take
+            if used == chunk_bytes:
+                chunks.append(current)
+                current, used = [], 0
+    if current:
+        chunks.append(current)
+    return chunks
+
+
 class SharePacer:
     """How long to yield after each chunk so that the writes take about ``share`` of the wall
     time: after ``busy`` seconds of writing, ``busy * (1 - share) / share`` seconds of nothing.

@@ -24,6 +24,7 @@ import torch
 
 import stablebuf
 from stablebuf._pipelined import PipelinedEngine, PipelinedTrainer
+from stablebuf._pulling import PullingEngine
 from stablebuf.publish import Engine, Trainer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -31,14 +32,14 @@ import publish_peer as peer  # noqa: E402
 
 
 def connect(kind: str, path: str):
-    if kind == "pipelined":
+    if kind in ("pipelined", "pulled"):  # connect() finds a pulling engine
         return PipelinedTrainer.connect(path, expect=peer.expected())
     return Trainer.connect(path, expect=peer.expected())
 
 
 def acquire(kind: str, trainer):
     """(tensors of a free set, commit(version))."""
-    if kind == "pipelined":
+    if kind in ("pipelined", "pulled"):
         region, set_id = trainer.acquire()
         return trainer.tensors(region, set_id), lambda v: trainer.commit(region, set_id, v)
     set_id = trainer.acquire()
@@ -50,7 +51,7 @@ class Serving:
 
     def __init__(self, kind: str, name: str, path: str, device: int) -> None:
         self.kind = kind
-        if kind == "pipelined":
+        if kind in ("pipelined", "pulled"):
             tags = (f"{name}-a", f"{name}-b")
             self.tensors, self.served = [], []
             for tag in tags:
@@ -64,7 +65,8 @@ class Serving:
                 self.tensors.append(tensors)
                 self.served.append(peer.Served(tag, tensors, device))
             torch.cuda.synchronize(device)  # the eager warm-ups were not noted
-            self.engine = PipelinedEngine(tags, path, self.tensors, lambda i: self.served[i].graph)
+            kind_of = PullingEngine if kind == "pulled" else PipelinedEngine
+            self.engine = kind_of(tags, path, self.tensors, lambda i: self.served[i].graph)
             if self.engine.uploaded != (True, True):
                 raise AssertionError(f"the engine's graphs were not uploaded: {self.engine.uploaded}")
         else:
@@ -77,7 +79,7 @@ class Serving:
         return self.engine.poll()
 
     def replay(self):
-        if self.kind == "pipelined":
+        if self.kind in ("pipelined", "pulled"):
             served = self.served[self.engine.current]
             served.out.fill_(float("nan"))
             self.engine.step()

@@ -257,6 +257,56 @@ def test_weight_set_swap_under_a_graph_equals_eager_with_that_set(torch):
             torch.testing.assert_close(out, reference(x), rtol=1e-4, atol=1e-4)
 
 
+def test_a_weight_sets_memory_is_what_the_region_reads_where_it_is_bound(torch):
+    """``WeightSet.memory()``: the set at its own address. Written there (bound or not, on a
+    side stream ordered by an event), the region's graph reads it; the other set is untouched."""
+    with stablebuf.region("home_weights"):
+        w1 = torch.randn(1024, 1024, device="cuda") / 32
+        w2 = torch.randn(1024, 1024, device="cuda") / 32
+    x = torch.randn(64, 1024, device="cuda")
+    g = stablebuf.CUDAGraph(tags=["home_weights"])
+    out = _warm_then_capture(torch, g, lambda: _mlp_forward(torch, w1, w2, x))
+    base = _native.region_base("home_weights")
+    ws_b = stablebuf.snapshot("home_weights")
+    ws_a = stablebuf.bound("home_weights")
+    home_a = torch.from_dlpack(ws_a.memory())
+    home_b = torch.from_dlpack(ws_b.memory())
+    assert home_b.dtype == torch.uint8 and home_b.numel() == ws_b.nbytes
+
+    def view(home, w):
+        at = int(w.data_ptr()) - base
+        return home[at : at + w.nbytes].view(w.dtype).view(w.shape)
+
+    old = (w1.clone(), w2.clone())
+    side = torch.cuda.Stream()
+
+    def write_and_check(home, expect_bound):
+        new = [torch.randn_like(w1) / 32, torch.randn_like(w2) / 32]
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            view(home, w1).copy_(new[0])
+            view(home, w2).copy_(new[1])
+        done = torch.cuda.Event()
+        done.record(side)
+        torch.cuda.current_stream().wait_event(done)
+        assert stablebuf.bound("home_weights") == expect_bound
+        x.copy_(torch.randn_like(x))
+        want = _mlp_forward(torch, new[0].cpu().double(), new[1].cpu().double(), x.cpu().double())
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out.cpu().double(), want, rtol=2e-3, atol=2e-3)
+
+    for _ in range(2):
+        stablebuf.bind("home_weights", ws_b)
+        write_and_check(home_b, ws_b)  # written where it is bound: read at once
+    torch.testing.assert_close(view(home_a, w1), old[0], rtol=0, atol=0)
+    torch.testing.assert_close(view(home_a, w2), old[1], rtol=0, atol=0)
+    stablebuf.bind("home_weights", ws_a)
+    torch.testing.assert_close(w1, old[0], rtol=0, atol=0)  # set a came back untouched
+    write_and_check(home_a, ws_a)
+
+
 def _read_set(torch, weights, params):
     """What ``weights`` holds, read through the region's tensors: :func:`stablebuf.writing`
     binds it for the block, then binds back what was bound (nothing is written)."""

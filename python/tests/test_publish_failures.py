@@ -1,5 +1,5 @@
-"""Failures of weight publishing (issue 41 item 4), for ``Engine`` and ``PipelinedEngine``
-alike, each a GPU test (skipped without one) with the other side in a subprocess
+"""Failures of weight publishing (issue 41 item 4), for ``Engine``, ``PipelinedEngine`` and
+``PullingEngine`` alike, each a GPU test (skipped without one) with the other side in a subprocess
 (tests/publish_failure_peer.py):
 
 - a trainer killed mid-write: the engine serves the last committed version;
@@ -31,7 +31,7 @@ import stablebuf
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PEER = os.path.join(HERE, "publish_failure_peer.py")
-KINDS = ("engine", "pipelined")
+KINDS = ("engine", "pipelined", "pulled")
 #: Device-wide free memory may move by the driver's own bookkeeping; a leaked set is MiBs more.
 FREE_SLACK = 4 << 20
 
@@ -149,6 +149,8 @@ def _assert_no_leak(torch, tags, before: dict, free_before: int) -> None:
 
 
 def _tags(serving) -> list:
+    if serving.kind == "pulled":  # its staging region too
+        return list(serving.engine.tags) + [serving.engine._staging.tag]
     return list(serving.engine.tags) if serving.kind == "pipelined" else [serving.engine.tag]
 
 
