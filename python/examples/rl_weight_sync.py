@@ -253,8 +253,8 @@ def peer_copy_gbps(src_device: int, dst_device: int, nbytes: int) -> float:
 
 
 def link_probe(trainer, method: str, params: dict, tdev: int, edev: int, nbytes: int) -> dict:
-    """GB/s (best of 3) of three writes from the trainer's GPU, to tell the link from the way the
-    trainer writes (item 3): ``peer``, a plain 1 GiB ``copy_`` into memory ``cudaMalloc``ed on
+    """GB/s (best of 3 after a first run, whose own figure is ``<name>_cold``) of three writes
+    from the trainer's GPU, to tell the link from the way the trainer writes (item 3): ``peer``, a plain 1 GiB ``copy_`` into memory ``cudaMalloc``ed on
     the engine's GPU; ``flat``, one copy of as many bytes into a weight set the trainer may
     write now (a VMM mapping of the engine's memory, through its view on the trainer's GPU);
     ``write``, the library's write of every tensor into that set (what a publish queues). The
@@ -275,24 +275,32 @@ def link_probe(trainer, method: str, params: dict, tdev: int, edev: int, nbytes:
     views = owner.tensors(set_id)
     total = sum(t.numel() * t.element_size() for t in params.values())
 
-    def best(fn, size):
-        fn()
+    cold = {}
+
+    def best(name, fn, size):
+        """GB/s, best of 3 after a first run (kept in ``cold``: its destination's pages were
+        last touched long ago, as a publish's are)."""
         torch.cuda.synchronize(tdev)
         torch.cuda.synchronize(edev)
         fastest = math.inf
-        for _ in range(3):
+        for i in range(4):
             start = time.perf_counter()
             fn()
             torch.cuda.synchronize(tdev)
             torch.cuda.synchronize(edev)
-            fastest = min(fastest, time.perf_counter() - start)
+            took = time.perf_counter() - start
+            if i == 0:
+                cold[name] = size / took / 1e9
+            else:
+                fastest = min(fastest, took)
         return size / fastest / 1e9
 
     out = {
-        "peer": best(lambda: peer.copy_(source, non_blocking=True), n),
-        "flat": best(lambda: flat[:n].copy_(source, non_blocking=True), n),
-        "write": best(lambda: write_shared(torch, views, params), total),
+        "peer": best("peer", lambda: peer.copy_(source, non_blocking=True), n),
+        "flat": best("flat", lambda: flat[:n].copy_(source, non_blocking=True), n),
+        "write": best("write", lambda: write_shared(torch, views, params), total),
     }
+    out.update({f"{name}_cold": gbps for name, gbps in cold.items()})
     del source, peer
     torch.cuda.empty_cache()
     return out
@@ -918,7 +926,9 @@ def report(results, args, nbytes, alone_ms=math.nan) -> None:
             if p:
                 print(f"{PREFIX}   item 3 probe, {label(r)}, engine {when}: peer copy "
                       f"{p['peer']:.1f} GB/s | one copy into the set {p['flat']:.1f} GB/s | the "
-                      f"library's write of every tensor {p['write']:.1f} GB/s")
+                      f"library's write of every tensor {p['write']:.1f} GB/s; the first of "
+                      f"each (cold): {p.get('peer_cold', math.nan):.1f} | "
+                      f"{p.get('flat_cold', math.nan):.1f} | {p.get('write_cold', math.nan):.1f}")
         if two_gpus and "serving" in probes:
             floor = probes["serving"]["peer"]
             verdict(
