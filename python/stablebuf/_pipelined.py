@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -99,6 +100,20 @@ def is_pulling(path: str) -> bool:
     return os.path.exists(staging_path(path))
 
 
+def remove_stale_staging(path: str) -> bool:
+    """Removes the staging socket an earlier :class:`~stablebuf.PullingEngine` at ``path`` left
+    (killed before it could): a trainer would take it for this engine's. Only a socket, as the
+    engine's own sockets replace stale ones; returns whether one was removed."""
+    staging = staging_path(path)
+    try:
+        if not stat.S_ISSOCK(os.lstat(staging).st_mode):
+            return False
+        os.unlink(staging)
+    except FileNotFoundError:
+        return False
+    return True
+
+
 # What the engine knows of each region's set.
 _SERVING = "serving"  # current, or idle but its last replay may still run: the engine's
 _FREE = "free"  # idle and released (or to release at the next handshake): the trainer's
@@ -136,6 +151,8 @@ class PipelinedEngine:
     """
 
     handshake_timeout = 60.0
+    #: Whether trainers connect to a staging socket (``path + ".s"``) instead of the regions'.
+    _exports_staging = False
 
     def __init__(
         self,
@@ -161,6 +178,8 @@ class PipelinedEngine:
         }:
             raise ValueError("the two copies of the model differ in names or shapes")
         paths = region_paths(path)
+        if not self._exports_staging:
+            remove_stale_staging(path)
         ports: List[_Port] = []
         try:
             for i, tag in enumerate(self.tags):

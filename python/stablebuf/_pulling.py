@@ -72,6 +72,8 @@ class PullingEngine(PipelinedEngine):
     arguments as for :class:`~stablebuf.PipelinedEngine`; the trainer connects to
     ``path + ".s"`` (:meth:`stablebuf.PipelinedTrainer.connect` finds it)."""
 
+    _exports_staging = True
+
     def __init__(
         self,
         tags: Sequence[str],

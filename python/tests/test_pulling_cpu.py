@@ -8,11 +8,21 @@ bytes, never a gap, in chunks of at most the size asked."""
 from __future__ import annotations
 
 import random
+import socket
 
 import pytest
 
 from stablebuf._manifest import VersionBook
-from stablebuf._pipelined import _COMMITTED, _FREE, _SERVING, _Port
+from stablebuf._pipelined import (
+    _COMMITTED,
+    _FREE,
+    _SERVING,
+    PipelinedEngine,
+    _Port,
+    is_pulling,
+    remove_stale_staging,
+    staging_path,
+)
 from stablebuf._pulling import PullingEngine
 from stablebuf._share import plan_byte_copies
 
@@ -218,3 +228,20 @@ def test_byte_copies_are_cut_into_chunks_of_at_most_the_size_asked():
 def test_byte_copies_refuse_a_chunk_of_nothing():
     with pytest.raises(ValueError):
         plan_byte_copies([(0, 0, 4)], 0)
+
+
+def test_a_stale_staging_socket_goes_and_nothing_else_does(tmp_path):
+    """A PullingEngine killed at ``path`` leaves ``path.s``: a PipelinedEngine started there
+    removes it (else its trainer would connect to the dead staging socket); any other file
+    stays, and a PullingEngine keeps its own."""
+    path = str(tmp_path / "engine")
+    left = socket.socket(socket.AF_UNIX)
+    left.bind(staging_path(path))
+    left.close()  # the socket file stays, as after a kill
+    assert is_pulling(path)
+    assert remove_stale_staging(path) and not is_pulling(path)
+    assert not remove_stale_staging(path)  # nothing there: nothing to do
+    with open(staging_path(path), "w") as f:
+        f.write("not a socket")
+    assert not remove_stale_staging(path) and is_pulling(path)
+    assert PipelinedEngine._exports_staging is False and PullingEngine._exports_staging is True
