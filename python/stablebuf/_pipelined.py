@@ -359,11 +359,11 @@ class PipelinedEngine:
         poll_at = time.monotonic_ns()
         t0 = time.perf_counter_ns()
         problems, self._unreported = self._unreported, []
-        self._release_idle(problems)
+        self._hand_back(problems)
         t1 = time.perf_counter_ns()
-        for port in self._ports:
-            self._read(port, problems)
+        self._read_trainers(problems)
         t2 = time.perf_counter_ns()
+        self._before_switch()
         idle = 1 - self.current
         bound = None
         if self._ports[idle].state == _COMMITTED:
@@ -387,6 +387,17 @@ class PipelinedEngine:
             trainer_connected=self.connected,
             problems=tuple(problems),
         )
+
+    # The parts of a poll a PullingEngine does its own way.
+    def _hand_back(self, problems: List[str]) -> None:
+        self._release_idle(problems)
+
+    def _read_trainers(self, problems: List[str]) -> None:
+        for port in self._ports:
+            self._read(port, problems)
+
+    def _before_switch(self) -> None:
+        """Work between reading the commits and the switch (none here)."""
 
     def step(self) -> None:
         """Replays the current region's graph on the current stream and notes its end (an

@@ -237,38 +237,16 @@ class PullingEngine(PipelinedEngine):
         trainer's commit, queues at most one chunk of a committed version into the idle region
         (on the current stream, before the next step), and after its last chunk makes that
         region current: the next :meth:`step` replays its graph."""
-        self._check_open()
-        poll_at = time.monotonic_ns()
-        t0 = time.perf_counter_ns()
-        problems, self._unreported = self._unreported, []
+        return super().poll()
+
+    def _hand_back(self, problems: List[str]) -> None:
         self._release_staging(problems)
-        t1 = time.perf_counter_ns()
+
+    def _read_trainers(self, problems: List[str]) -> None:
         self._read(self._staging, problems)
-        t2 = time.perf_counter_ns()
+
+    def _before_switch(self) -> None:
         self._pull_chunk()
-        idle = 1 - self.current
-        bound = None
-        if self._ports[idle].state == _COMMITTED:
-            self._ports[self.current].state = _SERVING
-            self._ports[idle].state = _SERVING
-            self.current = idle
-            bound = self._ports[idle].version
-            t3 = time.perf_counter_ns()
-            self._pending = {
-                "version": bound,
-                "region": idle,
-                "message": t2 - t1,
-                "poll": (t1 - t0) + (t3 - t2),
-                "fence": 0,
-                "remap": 0,
-                "poll_at": poll_at,
-            }
-        return PollStatus(
-            version=self.version,
-            bound=bound,
-            trainer_connected=self.connected,
-            problems=tuple(problems),
-        )
 
     def close(self) -> None:
         """Disconnects the trainer and stops listening (the sets stay bound)."""
