@@ -17,7 +17,11 @@ weights, side by side in one run:
   spare weight set, commits; the engine binds it at its next step boundary (one remap);
 - ``pipelined``: ``stablebuf.PipelinedEngine``: two regions with a graph each; the
   trainer writes into the idle region's set, commits; the engine's next step replays the idle
-  region's graph (no remap at all).
+  region's graph (no remap at all);
+- ``raw-copy`` (item 3's floor, two GPUs): the pipelined engine, but the trainer writes by
+  hand: one plain ``copy_`` of its twin into the idle region's set, a synchronisation and a
+  commit, at the same moment as a publish (after the same training step) and timed the same
+  way: the link's speed as a write meets it, idle before, with none of the library's path.
 
 The trainer's writes for ``stablebuf`` and ``pipelined`` run once per ``--share`` value
 (1: as fast as it goes; below 1: chunks of ``--chunk-mib`` (a list: each size) with pauses, so writing takes about
@@ -30,7 +34,13 @@ measured at 4-10 GB/s), to compare both in one run.
 Per version: the trainer makes its new weights and their eager reference output ("training")
 while the engine waits; the engine then serves ``--quiet-steps`` undisturbed steps and asks
 for the publish, serving on until its first step on the new weights. Training is not part of a
-publish, and on one GPU its kernels would share the GPU with the steps measured.
+publish, and on one GPU its kernels would share the GPU with the steps measured. With the
+trainer on another GPU it runs its training step once more (the same weights) right before
+each write (``--write-after train``, the default there), as an RL loop publishes right after its
+optimizer step: a write after the trainer idled through the engine's undisturbed steps
+(``--write-after quiet``, the default on one GPU) starts on a GPU clocked down and a thread
+just woken, and ran 12% slower at 1 GiB on 2 x H200. ``--diagnose`` and ``--pre-copy`` time
+those effects (see ``--help``).
 
 Printed: per method, the trainer's write time, the engine's time lost per publish (over the
 window from the step in flight when the write began to the end of the first step on the new
@@ -107,9 +117,12 @@ BUCKET = 512 * MiB
 TAG = "rl-weights"
 TAGS_PIPELINED = ("rl-weights-a", "rl-weights-b")
 PAUSE_METHODS = ("ipc-copy", "ipc-buckets")
-PUBLISH_METHODS = ("stablebuf", "pipelined", "pulled")
+PUBLISH_METHODS = ("stablebuf", "pipelined", "pulled", "raw-copy")
 #: The methods with two regions and a graph each (PipelinedEngine, PullingEngine).
-TWO_GRAPHS = ("pipelined", "pulled")
+TWO_GRAPHS = ("pipelined", "pulled", "raw-copy")
+#: Item 3's floor at the publish's moment: the trainer's own copy_ of its twin into the idle
+#: region's set and a commit (the pipelined engine), none of the library's write path.
+RAW = "raw-copy"
 PREFIX = "rl_weight_sync:"
 
 
@@ -127,7 +140,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--methods",
         default="ipc-copy,ipc-buckets,stablebuf,pipelined",
-        help="comma-separated subset of ipc-copy,ipc-buckets,stablebuf,pipelined",
+        help="comma-separated subset of ipc-copy,ipc-buckets,stablebuf,pipelined,pulled "
+        "(one GPU),raw-copy (two GPUs: item 3's floor)",
     )
     parser.add_argument(
         "--share",
@@ -143,6 +157,29 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--copy-streams",
         default="1",
         help="comma list: streams a full-speed write spreads its copies over (Trainer.copy_streams)",
+    )
+    parser.add_argument(
+        "--write-after",
+        choices=("auto", "train", "quiet"),
+        default="auto",
+        help="what the trainer did just before each write: train (its training step again, "
+        "as an RL loop publishes right after its optimizer step) or quiet (nothing since "
+        "before the engine's undisturbed steps: its GPU idles about 20 steps). auto: train "
+        "with the trainer on another GPU, quiet on one GPU, where its kernels would share "
+        "the GPU with the engine's steps",
+    )
+    parser.add_argument(
+        "--pre-copy",
+        default="0",
+        help="comma list of 0/1, diagnosis: before each timed publish the trainer writes the "
+        "set once untimed (is the publish's copy slow as the first after training?)",
+    )
+    parser.add_argument(
+        "--diagnose",
+        action="store_true",
+        help="time each write on the GPU (Trainer.gpu_timing); item 3's probes also time the "
+        "publish's own write path, raw copies into the set of several kinds, and a copy into "
+        "the set after 25 ms idle, after training, and after both",
     )
     parser.add_argument(
         "--layout",
@@ -165,13 +202,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.shares = [float(v) for v in args.share.split(",")]
     args.stream_list = [int(v) for v in args.copy_streams.split(",") if v]
+    args.pre_list = [bool(int(v)) for v in args.pre_copy.split(",") if v] or [False]
+    if args.write_after == "auto":
+        args.write_after = "train" if args.trainer_device != args.engine_device else "quiet"
     args.chunk_list = [float(v) for v in args.chunk_mib.split(",") if v]
     args.layout_list = [v for v in args.layout.split(",") if v]
     if not args.layout_list or any(v not in ("twin", "own") for v in args.layout_list):
         parser.error("--layout: a comma list of twin, own")
+    if not args.stream_list or any(v < 1 for v in args.stream_list):
+        parser.error("--copy-streams: a comma list of counts, each at least 1")
     if not args.chunk_list or any(v <= 0 for v in args.chunk_list):
         parser.error("--chunk-mib: a comma list of positive sizes")
     args.method_list = [m for m in args.methods.split(",") if m]
+    if RAW in args.method_list and args.trainer_device == args.engine_device:
+        parser.error("raw-copy is item 3's floor on two GPUs: --trainer-device != --engine-device")
     args.view_list = [v for v in args.views.split(",") if v]
     if any(v not in ("trainer", "engine") for v in args.view_list) or not args.view_list:
         parser.error("--views: a comma list of trainer, engine")
@@ -252,13 +296,19 @@ def peer_copy_gbps(src_device: int, dst_device: int, nbytes: int) -> float:
     return n * 2 / best / 1e9
 
 
-def link_probe(trainer, method: str, params: dict, tdev: int, edev: int, nbytes: int) -> dict:
+def link_probe(trainer, method: str, params: dict, tdev: int, edev: int, nbytes: int,
+               x=None, diagnose: bool = False) -> dict:
     """GB/s (best of 3 after a first run, whose own figure is ``<name>_cold``) of three writes
     from the trainer's GPU, to tell the link from the way the trainer writes (item 3): ``peer``, a plain 1 GiB ``copy_`` into memory ``cudaMalloc``ed on
     the engine's GPU; ``flat``, one copy of as many bytes into a weight set the trainer may
     write now (a VMM mapping of the engine's memory, through its view on the trainer's GPU);
-    ``write``, the library's write of every tensor into that set (what a publish queues). The
-    set is not committed: the next publish writes it whole first."""
+    ``write``, the library's write of every tensor into that set (what a publish queues);
+    ``halves``, ``flat`` as two copies of half each on two streams at once (two copy engines).
+    With ``diagnose``: ``publish``, the publish's own write path (``_write_synchronized``: the
+    copy and its synchronisation, no acquire, no commit; GPU GB/s under ``publish_gpu``); and
+    the median of 3 one-copy writes into the set, each after 25 ms idle (``after_idle``), after
+    the trainer's training step (``after_train``), after both (``after_both``: what a publish
+    meets). The set is not committed: the next publish writes it whole first."""
     from stablebuf._share import write_shared
     from stablebuf.publish import _flat_on
 
@@ -295,11 +345,105 @@ def link_probe(trainer, method: str, params: dict, tdev: int, edev: int, nbytes:
                 fastest = min(fastest, took)
         return size / fastest / 1e9
 
+    lanes = [torch.cuda.Stream(tdev) for _ in range(2)]
+    half = n // 2
+
+    def halves():
+        for lane, lo, hi in ((lanes[0], 0, half), (lanes[1], half, n)):
+            lane.wait_stream(torch.cuda.current_stream(tdev))
+            with torch.cuda.stream(lane):
+                flat[lo:hi].copy_(source[lo:hi], non_blocking=True)
+
     out = {
         "peer": best("peer", lambda: peer.copy_(source, non_blocking=True), n),
         "flat": best("flat", lambda: flat[:n].copy_(source, non_blocking=True), n),
         "write": best("write", lambda: write_shared(torch, views, params), total),
+        "halves": best("halves", halves, n),
     }
+    if diagnose:
+        dev = f"cuda:{tdev}"
+        if owner._is_twin(params):
+            gpu = []
+
+            def write_path():
+                gpu.append(owner._write_synchronized(set_id, params, 1.0, 64 * MiB)["gpu_s"])
+
+            out["publish"] = best("publish", write_path, total)
+            out["publish_gpu"] = total / min(gpu) / 1e9
+            out["publish_gpu_cold"] = total / gpu[0] / 1e9
+            # Which part makes the twin's copy slower than the probe's: the twin as the source
+            # (over the probe's range, or all of it), or the length (a fresh buffer as long).
+            twin = owner._twin[1]
+            m = twin.numel()
+            fresh = torch.empty(m, dtype=torch.uint8, device=dev).random_(0, 255)
+            out["twin_range"] = best("twin_range", lambda: flat[:n].copy_(twin[:n], True), n)
+            out["twin_whole"] = best("twin_whole", lambda: flat[:m].copy_(twin, True), m)
+            out["fresh_whole"] = best("fresh_whole", lambda: flat[:m].copy_(fresh, True), m)
+            k = n // 8 * 8  # the same bytes by a kernel of SM stores (exact: OR with 0)
+            out["sm_range"] = best("sm_range", lambda: torch.bitwise_or(
+                fresh[:k].view(torch.int64), 0, out=flat[:k].view(torch.int64)), k)
+            # The library's write path against the raw copy: timing events around the raw copy;
+            # the raw copy into the library's own target; the write path with no events.
+            from stablebuf.publish import _GpuSpan
+
+            span = _GpuSpan(torch, tdev)
+
+            def spanned():
+                span.start()
+                flat[:m].copy_(twin, True)
+                span.stop()
+
+            out["raw_spanned"] = best("raw_spanned", spanned, m)
+            target = owner._twin_targets(set_id, 1)[0]["twin"]
+            out["raw_target"] = best("raw_target", lambda: target.copy_(twin, True), m)
+
+            class NoSpan:
+                def start(self):
+                    pass
+
+                def stop(self):
+                    pass
+
+                def seconds(self):
+                    return math.nan
+
+            spans, owner._spans = owner._spans, {writer: NoSpan()}
+            out["path_unspanned"] = best("path_unspanned", lambda: owner._write_synchronized(
+                set_id, params, 1.0, 64 * MiB), total)
+            owner._spans = spans
+            # Data or buffer: weight-like bf16 values in a fresh buffer; random bytes in the twin
+            # (the next version's training writes every tensor of it again).
+            like = torch.empty(n // 2, dtype=torch.bfloat16, device=dev).normal_(0.0, 0.02)
+            like = like.view(torch.uint8)
+            out["weights_like"] = best("weights_like", lambda: flat[:n].copy_(like, True), n)
+            twin.random_(0, 255)
+            out["twin_random"] = best("twin_random", lambda: flat[:n].copy_(twin[:n], True), n)
+            twin.zero_()
+            fill_version(params, 0, dev)  # weights again, for the probe while serving
+            del fresh, like
+
+        def train():
+            fill_version(params, 0, dev)
+            forward(params, x).cpu()
+            torch.cuda.synchronize(tdev)
+
+        def idle():
+            time.sleep(0.025)
+
+        def both():
+            train()
+            idle()
+
+        for name, before in (("after_idle", idle), ("after_train", train), ("after_both", both)):
+            took = []
+            for _ in range(3):
+                before()
+                torch.cuda.synchronize(tdev)
+                start = time.perf_counter()
+                flat[:n].copy_(source, non_blocking=True)
+                torch.cuda.synchronize(tdev)
+                took.append(time.perf_counter() - start)
+            out[name] = n / sorted(took)[1] / 1e9
     out.update({f"{name}_cold": gbps for name, gbps in cold.items()})
     del source, peer
     torch.cuda.empty_cache()
@@ -309,9 +453,31 @@ def link_probe(trainer, method: str, params: dict, tdev: int, edev: int, nbytes:
 # ---------------------------------------------------------------------------- trainer process
 
 
+def raw_copy(trainer, version: int) -> dict:
+    """Item 3's floor (``raw-copy``): the twin into the idle region's set by one plain
+    ``copy_``, a synchronisation of the GPU that ran it, a commit; returns its parts as
+    ``last_write`` would (seconds)."""
+    t0 = time.perf_counter()
+    region, set_id = trainer.acquire(timeout=30)
+    owner = trainer._trainers[region]
+    twin = trainer._trainers[0]._twin[1]
+    target = owner._set_flat(set_id)[: twin.numel()]  # made once per set (cached)
+    t1 = time.perf_counter()
+    target.copy_(twin, non_blocking=True)
+    t2 = time.perf_counter()
+    torch.cuda.synchronize(twin.device)
+    t3 = time.perf_counter()
+    trainer.commit(region, set_id, version)
+    t4 = time.perf_counter()
+    return {"acquire_s": t1 - t0, "issue_s": t2 - t1, "wait_s": t3 - t2, "commit_s": t4 - t3,
+            "total_s": t4 - t0, "copies": 1.0, "chunks": 1.0, "cross_device": 0.0,
+            "lanes": 1.0, "twin": 1.0, "writer": float(twin.device.index),
+            "set_device": float(owner._sets[set_id].device)}
+
+
 def trainer_main(method: str, args: argparse.Namespace, conn, path: str, views: str,
                  streams: int = DEFAULT_COPY_STREAMS, chunk_mib: float = 64.0,
-                 layout: str = "twin") -> None:
+                 layout: str = "twin", pre_copy: bool = False) -> None:
     from torch.multiprocessing.reductions import reduce_tensor
 
     tdev, edev = args.trainer_device, args.engine_device
@@ -347,7 +513,8 @@ def trainer_main(method: str, args: argparse.Namespace, conn, path: str, views: 
         else:
             trainer = stablebuf.publish.Trainer.connect(path, **kwargs)
         trainer.copy_streams = streams
-        if layout == "twin":  # the trainer's weights move into the set's layout, for good
+        trainer.gpu_timing = args.diagnose  # its events cost the copy 3% (see Trainer)
+        if layout == "twin" or method == RAW:  # the weights move into the set's layout, for good
             twin = trainer.twin()
             for n, t in twin.items():
                 t.copy_(params[n])
@@ -364,7 +531,7 @@ def trainer_main(method: str, args: argparse.Namespace, conn, path: str, views: 
             break
         if message[0] == "probe":
             conn.send(("probed", link_probe(trainer, method, params, tdev, edev,
-                                            args.peer_mib * MiB)))
+                                            args.peer_mib * MiB, x, args.diagnose)))
             continue
         if message[0] == "train":
             # "Training", not part of the publish: done before the engine's undisturbed steps,
@@ -380,12 +547,30 @@ def trainer_main(method: str, args: argparse.Namespace, conn, path: str, views: 
             conn.send(("trained", version, reference))
             continue
         _, version, share = message
+        if args.write_after == "train":
+            # The training step that made this version, again (the same seed: the same
+            # weights), so that the write follows it as in an RL loop, on a busy GPU and a
+            # running thread. Not part of the write.
+            fill_version(params, version, dev)
+            forward(params, x)
+            torch.cuda.synchronize()
+        pre = {}
+        if pre_copy and method in ("stablebuf", "pipelined") and share >= 1.0:
+            # Diagnosis: the same write once, untimed by the engine's window (see --pre-copy).
+            if method in TWO_GRAPHS:
+                region, set_id = trainer.acquire()
+                owner = trainer._trainers[region]
+            else:
+                set_id, owner = trainer.acquire(), trainer
+            pre = {"pre_gpu_s": owner._write_synchronized(set_id, params, 1.0, chunk)["gpu_s"]}
         write_start = time.monotonic()
         if method == "ipc-buckets":
             for n, t in params.items():
                 b, offset, numel = where[n]
                 buckets[b][offset : offset + numel].copy_(t.view(-1), non_blocking=True)
             torch.cuda.synchronize()
+        elif method == RAW:
+            raw = raw_copy(trainer, version)
         elif method in PUBLISH_METHODS:
             # copy (in chunks below share 1), synchronise, commit
             trainer.publish(params, version=version, share=share, chunk_bytes=chunk)
@@ -394,6 +579,9 @@ def trainer_main(method: str, args: argparse.Namespace, conn, path: str, views: 
         done = time.monotonic()
         commit_at_ns = trainer.last_commit_at_ns if trainer is not None else time.monotonic_ns()
         parts = dict(trainer.last_write) if trainer is not None else {}
+        if method == RAW:
+            parts = raw
+        parts.update(pre)
         conn.send(("done", version, write_start, done, commit_at_ns, parts))
     if trainer is not None:
         trainer.close()
@@ -465,21 +653,22 @@ def pull(dst, src, staging) -> None:
 
 
 def run_method(method, share, args, params, served, pair, ctx, views="trainer",
-               streams=DEFAULT_COPY_STREAMS, chunk_mib=64.0, layout="twin") -> dict:
+               streams=DEFAULT_COPY_STREAMS, chunk_mib=64.0, layout="twin",
+               pre_copy=False) -> dict:
     conn, child_conn = ctx.Pipe()
     path = os.path.join(tempfile.mkdtemp(prefix="rl-sync-"), "engine.sock")
     engine = None
     free_before = torch.cuda.mem_get_info()[0]
     proc = ctx.Process(
         target=trainer_main,
-        args=(method, args, child_conn, path, views, streams, chunk_mib, layout),
+        args=(method, args, child_conn, path, views, streams, chunk_mib, layout, pre_copy),
         daemon=True,
     )
     proc.start()
     sources, where = {}, {}
     if method == "stablebuf":
         engine = stablebuf.publish.Engine(TAG, path, params)
-    elif method == "pipelined":
+    elif method in ("pipelined", RAW):
         engine = PipelinedEngine(TAGS_PIPELINED, path, pair.params, lambda i: pair.served[i].graph)
     elif method == "pulled":
         engine = PullingEngine(TAGS_PIPELINED, path, pair.params, lambda i: pair.served[i].graph,
@@ -670,6 +859,7 @@ def run_method(method, share, args, params, served, pair, ctx, views="trainer",
         "share": share,
         "views": views if two_gpus and method in PUBLISH_METHODS else "-",
         "streams": streams if method in PUBLISH_METHODS else 1,
+        "pre_copy": bool(pre_copy) if method in PUBLISH_METHODS else False,
         "layout": layout if method in PUBLISH_METHODS else "own",
         "chunk_mib": (chunk_mib if method == "pulled" or (method in PUBLISH_METHODS and share < 1.0)
                       else 0.0),
@@ -739,6 +929,8 @@ def label(r) -> str:
     tail = "/engine-views" if r.get("views") == "engine" else ""
     if r["method"] in PUBLISH_METHODS and r.get("streams", DEFAULT_COPY_STREAMS) != DEFAULT_COPY_STREAMS:
         tail += f"/{r['streams']}-stream"
+    if r.get("pre_copy"):
+        tail += "/pre-copy"
     if r["method"] in PUBLISH_METHODS and r.get("layout", "twin") != "twin":
         tail += f"/{r['layout']}"
     if r.get("chunk_mib"):
@@ -764,12 +956,14 @@ def report_parts(results, args, nbytes, alone_ms) -> None:
         print(
             f"{PREFIX}   {label(r):28s} cuda:{med(p, 'writer'):.0f} -> set on "
             f"cuda:{med(p, 'set_device'):.0f}: check {med(p, 'check'):.3f} | acquire "
-            f"{med(p, 'acquire'):.3f} | issue "
+            f"{med(p, 'acquire'):.3f} | prepare {med(p, 'prepare'):.3f} | issue "
             f"{med(p, 'issue'):.3f} | wait {med(p, 'wait'):.3f} | gpu {med(p, 'gpu'):.3f} "
             f"({gbps(med(p, 'gpu')):.1f} GB/s) | pause {med(p, 'paused'):.3f} | commit "
             f"{med(p, 'commit'):.3f} | total {med(p, 'total'):.3f} | {med(p, 'copies'):.0f} "
             f"copies, x-dev {med(p, 'cross_device'):.0f}, {med(p, 'chunks'):.0f} chunk(s), "
             f"{med(p, 'lanes'):.0f} stream(s)"
+            + (f" | the untimed write before it: gpu {med(p, 'pre_gpu'):.3f} "
+               f"({gbps(med(p, 'pre_gpu')):.1f} GB/s)" if "pre_gpu" in p else "")
         )
     pauses = [r for r in results if r["method"] in PAUSE_METHODS]
     if pauses:
@@ -789,12 +983,14 @@ def report_parts(results, args, nbytes, alone_ms) -> None:
 
 def compared_only(r, args) -> bool:
     """A run the verdicts leave out (reported beside the others): views on the engine's GPU,
-    or another stream count, layout or chunk than the first of ``--copy-streams``,
+    or another stream count, pre-copy, layout or chunk than the first of ``--copy-streams``,
+    ``--pre-copy``,
     ``--layout``, ``--chunk-mib``."""
     if r["method"] not in PUBLISH_METHODS:
         return False
     return (r.get("views") == "engine"
             or r.get("streams", DEFAULT_COPY_STREAMS) != args.stream_list[0]
+            or bool(r.get("pre_copy", False)) != args.pre_list[0]
             or r.get("layout", "twin") != args.layout_list[0]
             or (bool(r.get("chunk_mib")) and r["chunk_mib"] != args.chunk_list[0]))
 
@@ -879,6 +1075,8 @@ def report(results, args, nbytes, alone_ms=math.nan) -> None:
     pauses = [r for r in results if r["method"] in PAUSE_METHODS]
     pause = min(pauses, key=lambda r: r["lost_ms"]["median"]) if pauses else None
     for method in PUBLISH_METHODS:
+        if method == RAW:  # the floor of item 3, not a way the library offers
+            continue
         # The library's way only: --views engine is the path issue 41 measured, for comparison.
         runs = [r for r in results if r["method"] == method and not compared_only(r, args)]
         if not runs or pause is None:
@@ -915,20 +1113,65 @@ def report(results, args, nbytes, alone_ms=math.nan) -> None:
             )
     if pause is None:
         verdict("item 2, engine time lost vs pause-and-copy", None, "no pause-and-copy method run")
+    raw = [r for r in publish if r["method"] == RAW]
+    raw_gbps = nbytes / (raw[0]["write_ms"]["median"] / 1e3) / 1e9 if raw else None
     for r in publish:
         if r["share"] < 1.0:
             continue
         gbps = nbytes / (r["write_ms"]["median"] / 1e3) / 1e9
         compared = compared_only(r, args)
         probes = r.get("probes") or {}
+        if r["method"] == RAW:
+            verdict(
+                "item 3, the floor: a plain copy_ at a publish's moment vs the peer copy "
+                "measured back to back",
+                None,
+                f"{gbps:.1f} GB/s vs {r['peer_gbps']:.1f} GB/s ({gbps / r['peer_gbps']:.2f}x): "
+                "what the link gives a write after the trainer's training step; reported",
+            )
+            continue
+        if two_gpus and raw_gbps is not None:
+            verdict(
+                f"item 3, {label(r)} write vs a plain copy_ of the same bytes at the same moment "
+                "(raw-copy, share off)",
+                gbps >= 0.9 * raw_gbps if not compared else None,
+                f"{gbps:.1f} GB/s vs {raw_gbps:.1f} GB/s ({gbps / raw_gbps:.2f}x, target >= 0.9x)"
+                + ("; reported only" if compared else ""),
+            )
         for when in ("idle", "serving"):
             p = probes.get(when)
             if p:
                 print(f"{PREFIX}   item 3 probe, {label(r)}, engine {when}: peer copy "
                       f"{p['peer']:.1f} GB/s | one copy into the set {p['flat']:.1f} GB/s | the "
-                      f"library's write of every tensor {p['write']:.1f} GB/s; the first of "
-                      f"each (cold): {p.get('peer_cold', math.nan):.1f} | "
-                      f"{p.get('flat_cold', math.nan):.1f} | {p.get('write_cold', math.nan):.1f}")
+                      f"library's write of every tensor {p['write']:.1f} GB/s | one copy in two "
+                      f"halves on two streams {p.get('halves', math.nan):.1f} GB/s; the first "
+                      f"of each (cold): {p.get('peer_cold', math.nan):.1f} | "
+                      f"{p.get('flat_cold', math.nan):.1f} | {p.get('write_cold', math.nan):.1f}"
+                      f" | {p.get('halves_cold', math.nan):.1f}")
+                if "twin_range" in p:
+                    print(f"{PREFIX}     diagnosis: into the set, best (first): the twin over "
+                          f"the probe's range {p['twin_range']:.1f} ({p['twin_range_cold']:.1f})"
+                          f" | the whole twin {p['twin_whole']:.1f} "
+                          f"({p['twin_whole_cold']:.1f}) | a fresh buffer as long "
+                          f"{p['fresh_whole']:.1f} ({p['fresh_whole_cold']:.1f}) | SM stores "
+                          f"over the probe's range {p['sm_range']:.1f} ({p['sm_range_cold']:.1f})"
+                          f" | weight-like bf16 in a fresh buffer {p['weights_like']:.1f} "
+                          f"({p['weights_like_cold']:.1f}) | random bytes in the twin "
+                          f"{p['twin_random']:.1f} ({p['twin_random_cold']:.1f}) GB/s")
+                if "raw_spanned" in p:
+                    print(f"{PREFIX}     diagnosis: the whole twin, best (first): timing events "
+                          f"around it {p['raw_spanned']:.1f} ({p['raw_spanned_cold']:.1f}) | into "
+                          f"the library's target {p['raw_target']:.1f} "
+                          f"({p['raw_target_cold']:.1f}) | the write path without events "
+                          f"{p['path_unspanned']:.1f} ({p['path_unspanned_cold']:.1f}) GB/s")
+                if "after_idle" in p:
+                    print(f"{PREFIX}     diagnosis: the publish's write path "
+                          f"{p.get('publish', math.nan):.1f} GB/s (gpu "
+                          f"{p.get('publish_gpu', math.nan):.1f}; first "
+                          f"{p.get('publish_cold', math.nan):.1f}, gpu "
+                          f"{p.get('publish_gpu_cold', math.nan):.1f}) | one copy into the set "
+                          f"after 25 ms idle {p['after_idle']:.1f} | after training "
+                          f"{p['after_train']:.1f} | after both {p['after_both']:.1f} GB/s")
         if two_gpus and "serving" in probes:
             floor = probes["serving"]["peer"]
             verdict(
@@ -939,12 +1182,15 @@ def report(results, args, nbytes, alone_ms=math.nan) -> None:
             )
         verdict(
             f"item 3, {label(r)} write vs peer copy (NVLink floor, share off)",
-            gbps >= 0.9 * r["peer_gbps"] if two_gpus and not compared else None,
+            gbps >= 0.9 * r["peer_gbps"] if two_gpus and not compared and raw_gbps is None
+            else None,
             f"{gbps:.1f} GB/s vs {r['peer_gbps']:.1f} GB/s peer copy "
             f"({gbps / r['peer_gbps']:.2f}x, target >= 0.9x)"
             + ("" if two_gpus else "; needs --trainer-device != --engine-device")
             + ("; views on the engine's GPU, or another stream count, layout or chunk than the "
-               "first asked: reported only" if compared else ""),
+               "first asked: reported only" if compared else "")
+            + ("; measured back to back (a warm link): judged against raw-copy above"
+               if raw_gbps is not None and not compared else ""),
         )
     wrong = sum(r["wrong"] for r in results)
     verdict("outputs", wrong == 0, "all correct" if wrong == 0 else f"{wrong} WRONG")
@@ -1016,6 +1262,9 @@ def main(argv=None) -> int:
         f"({torch.cuda.get_device_name(edev)}), trainer on GPU {args.trainer_device}"
         + (f" ({torch.cuda.get_device_name(args.trainer_device)})"
            if args.trainer_device != edev else "")
+        + "; each write right after "
+        + ("a training step" if args.write_after == "train"
+           else "the engine's undisturbed steps (the trainer idle)")
     )
     x = probes(args, device)
     served = Served(params, x, TAG)
@@ -1029,19 +1278,24 @@ def main(argv=None) -> int:
         publishing = method in PUBLISH_METHODS
         # pulled: the engine copies a chunk per step itself (--chunk-mib is its share), out of
         # the staging set the trainer trains in (the twin): no share, no other layout.
-        for share in (args.shares if publishing and method != "pulled" else [1.0]):
-            views_list = args.view_list if publishing and two_gpus else ["trainer"]
-            streams_list = (args.stream_list if publishing and share >= 1.0
+        # raw-copy: one plain copy of the twin, at full speed (no share, streams or layout).
+        fixed = method in ("pulled", RAW)
+        for share in (args.shares if publishing and not fixed else [1.0]):
+            views_list = ["trainer"] if method == RAW else (
+                args.view_list if publishing and two_gpus else ["trainer"])
+            streams_list = (args.stream_list if publishing and share >= 1.0 and method != RAW
                             else [DEFAULT_COPY_STREAMS])
             chunks = (args.chunk_list if publishing and (share < 1.0 or method == "pulled")
                       else args.chunk_list[:1])
-            layouts = (["twin"] if method == "pulled"
+            layouts = (["twin"] if fixed
                        else args.layout_list if publishing else ["own"])
-            for views, streams, chunk_mib, layout in itertools.product(
-                views_list, streams_list, chunks, layouts
+            full = publishing and share >= 1.0 and not fixed
+            pre_list = args.pre_list if full else [False]
+            for views, streams, pre_copy, chunk_mib, layout in itertools.product(
+                views_list, streams_list, pre_list, chunks, layouts
             ):
                 result = run_method(method, share, args, params, served, pair, ctx, views,
-                                    streams, chunk_mib, layout)
+                                    streams, chunk_mib, layout, pre_copy)
                 result["alone_ms"] = alone_ms
                 results.append(result)
                 print(

@@ -459,6 +459,16 @@ class PipelinedTrainer:
         self.last_write: Dict[str, float] = {}
 
     @property
+    def gpu_timing(self) -> bool:
+        """:attr:`stablebuf.publish.Trainer.gpu_timing` of both regions' trainers."""
+        return self._trainers[0].gpu_timing
+
+    @gpu_timing.setter
+    def gpu_timing(self, on: bool) -> None:
+        for trainer in self._trainers:
+            trainer.gpu_timing = bool(on)
+
+    @property
     def copy_streams(self) -> int:
         """:attr:`stablebuf.publish.Trainer.copy_streams` of both regions' trainers."""
         return self._trainers[0].copy_streams

@@ -17,7 +17,8 @@ DEFAULT_CHUNK_BYTES = 64 << 20
 
 #: Streams a trainer's full-speed write spreads its copies over (Trainer.copy_streams). One:
 #: on 2 x H200 over NVLink (75 copies, 1 GiB) two streams carried 307 GB/s against one
-#: stream's 322 GB/s in the same run; more streams are there to try on other links.
+#: stream's 322 GB/s in the same run, and the twin's one copy cut in 2 or 4 pieces on as many
+#: streams 326-340 GB/s on the GPU against 342; more streams are there to try on other links.
 DEFAULT_COPY_STREAMS = 1
 
 Chunk = List[Tuple[str, int, int]]  # (tensor name, first row, row after the last)

@@ -781,6 +781,7 @@ def _trainer(writer, current=3):
 
 def test_a_peer_trainer_writes_through_views_on_its_own_device_then_waits_then_commits():
     trainer, weights, log = _trainer(writer=3)  # the trainer's GPU 3; the set on "device" 0
+    trainer.gpu_timing = True
     assert trainer.publish(weights, version=1) == 1
     assert ("from_dlpack", 3) in log  # the views live on the writer
     copies = [e for e in log if e[0] == "copy"]
@@ -819,6 +820,72 @@ def test_a_twin_publish_is_one_copy_of_the_whole_layout_and_skips_the_checks(mon
     assert log.index(("commit", 1, 1)) > max(i for i, e in enumerate(log) if e[0] == "sync")
     # Other tensors (even with the twin's names) go tensor by tensor, checked.
     assert not trainer._is_twin(weights) and not trainer._is_twin({"a": twin["a"]})
+
+
+def test_a_twin_publish_cuts_once_per_set_and_waits_only_where_it_copied(monkeypatch):
+    trainer, _, log = _trainer(writer=3)  # the twin and the views on GPU 3, the set on 0
+    twin = trainer.twin()
+    cuts = []
+    real = publish._twin_pieces
+    monkeypatch.setattr(publish, "_twin_pieces", lambda *a: cuts.append(a[2]) or real(*a))
+    trainer.publish(twin, version=1)
+    first = [e for e in log if e[0] == "sync"]
+    assert first == [("sync", 3)], "the copy ran on GPU 3 alone: nothing to wait for elsewhere"
+    trainer._channel.inbox.append(("released", 1, 0, ""))
+    trainer.publish(twin, version=2)
+    assert log.count(("from_dlpack", 3)) == 1, "DLPack once per set, not per publish"
+    assert cuts == [1], "the twin's cut into the set is made once"
+    assert not [e for e in log if e[0] == "event"] and math.isnan(trainer.last_write["gpu_s"]), (
+        "no timing events unless gpu_timing"
+    )
+    assert log.index(("commit", 1, 2)) > max(i for i, e in enumerate(log) if e[0] == "sync")
+    assert trainer.last_write["prepare_s"] >= 0.0
+    # Below share 1 the write goes in chunks, waited for as any other write (every device).
+    trainer._channel.inbox.append(("released", 1, 0, ""))
+    del log[:]
+    trainer.publish(twin, version=3, share=0.5, chunk_bytes=1 << 20)
+    assert ("sync", 0) in log and cuts == [1]
+
+
+class _Span:
+    """Stands for a flat tensor: ``[lo:hi]`` is ``(lo, hi)``."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def numel(self):
+        return self.n
+
+    def __getitem__(self, cut):
+        return (cut.start, cut.stop)
+
+
+@pytest.mark.parametrize(
+    "pages_and_tail, lanes, cuts",
+    [
+        ((5, 3), 1, [(None, None)]),  # one copy: the whole tensors
+        ((5, 3), 2, [(0, 3), (3, 5)]),  # page-aligned halves, the tail in the last
+        ((1, 1), 4, [(0, 1), (1, 1)]),  # no more pieces than pages
+        ((0, 100), 4, [(None, None)]),  # under a page: one copy
+        ((8, 0), 4, [(0, 2), (2, 4), (4, 6), (6, 8)]),
+    ],
+)
+def test_a_twin_write_over_lanes_is_page_aligned_pieces_that_cover_it_once(pages_and_tail, lanes, cuts):
+    page = publish.TRANSLATION_PAGE
+    n = pages_and_tail[0] * page + pages_and_tail[1]
+    target, source = _Span(n), _Span(n)
+    views, weights = publish._twin_pieces(target, source, lanes)
+    assert list(views) == list(weights)
+    if cuts == [(None, None)]:
+        assert views == {"twin": target} and weights == {"twin": source}
+        return
+    got = [views[k] for k in views]
+    assert got == [weights[k] for k in weights]
+    expect = [(lo * page, hi * page) for lo, hi in cuts[:-1]] + [(cuts[-1][0] * page, n)]
+    assert got == expect
+    assert got[0][0] == 0 and got[-1][1] == n
+    assert all(a[1] == b[0] for a, b in zip(got, got[1:])), "contiguous, no gap, no overlap"
+    assert all(hi % page == 0 for _, hi in got[:-1])
 
 
 def test_views_on_the_sets_device_copy_between_devices_and_say_so():
