@@ -6,6 +6,8 @@ and exits 0 only if everything it checked held. Roles:
 - ``trainer PATH SEED,SEED,...``: connects, and for each seed reads a line from stdin, then
   publishes that seed's weights as the next version; finally checks that publishing the last
   version again raises VersionConflict, and waits for stdin to close.
+- ``twin PATH SEED,SEED,...``: as ``trainer``, but the weights go into ``Trainer.twin()``
+  first and each publish is of the twin (one copy of the whole layout, timed on the GPU).
 - ``die PATH SEED``: connects, writes half the tensors of a free set, prints ``ready`` and
   sleeps, to be killed mid-write.
 - ``mismatch PATH``: connects expecting another shape for one tensor: must get OfferMismatch.
@@ -122,6 +124,26 @@ def main(argv) -> int:
         except stablebuf.VersionConflict as conflict:
             say(f"conflict-ok {conflict}")
         sys.stdin.read()  # until the test closes stdin
+        trainer.close()
+        return 0
+    if role == "twin":
+        seeds = [int(s) for s in argv[3].split(",")]
+        trainer = Trainer.connect(path, expect=expected(), check_dtypes=True)
+        trainer.gpu_timing = True
+        twin = trainer.twin()
+        say("connected")
+        for version, seed in enumerate(seeds, start=1):
+            if not sys.stdin.readline():
+                return 2
+            for name, value in weights(seed).items():
+                twin[name].copy_(value)  # cast to the engine's dtypes, as publish would
+            trainer.publish(twin, version=version)
+            parts = trainer.last_write
+            if parts["twin"] != 1.0 or parts["copies"] != 1.0 or not parts["gpu_s"] > 0.0:
+                say(f"not one timed copy of the twin: {parts}")
+                return 3
+            say(f"published {version} {time.monotonic()!r}")
+        sys.stdin.read()
         trainer.close()
         return 0
     if role == "die":

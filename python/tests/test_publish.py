@@ -333,6 +333,28 @@ def _engine(peer, name: str):
 
 
 @pytest.mark.gpu
+def test_a_trainer_publishing_its_twin_is_read_by_the_graph_version_after_version(torch, peer):
+    # Trainer.twin(): the weights laid out as the engine's sets, a publish is one copy of the
+    # whole layout into the free set (cut once per set, only the copying GPU synchronised).
+    tag, engine, served = _engine(peer, "twin")
+    seeds = [int(time.time_ns() % 100_000) + i for i in range(1, 4)]
+    trainer = Peer("twin", engine.path, ",".join(map(str, seeds)))
+    try:
+        trainer.expect("connected", engine=engine)
+        for version, seed in enumerate(seeds, start=1):
+            served.check(seeds[version - 2] if version > 1 else 0, f"before version {version}")
+            trainer.tell()
+            trainer.expect(f"published {version}", engine=None)
+            _poll_until(engine, version)
+            served.check(seed, f"version {version} (twin)")
+        assert trainer.finish() == 0
+    finally:
+        if trainer.proc.poll() is None:
+            trainer.kill()
+        engine.close()
+
+
+@pytest.mark.gpu
 def test_each_published_version_is_bound_and_the_graph_replays_on_it(torch, peer):
     tag, engine, served = _engine(peer, "versions")
     seeds = [int(time.time_ns() % 100_000) + i for i in range(1, 5)]
