@@ -296,6 +296,15 @@ def peer_copy_gbps(src_device: int, dst_device: int, nbytes: int) -> float:
     return n * 2 / best / 1e9
 
 
+def free_set(trainer, method: str):
+    """``(the region's Trainer, set id)`` of a set the trainer may write now (the idle
+    region's, with two graphs)."""
+    if method in TWO_GRAPHS:
+        region, set_id = trainer.acquire()
+        return trainer._trainers[region], set_id
+    return trainer, trainer.acquire()
+
+
 def link_probe(trainer, method: str, params: dict, tdev: int, edev: int, nbytes: int,
                x=None, diagnose: bool = False) -> dict:
     """GB/s (best of 3 after a first run, whose own figure is ``<name>_cold``) of three writes
@@ -312,11 +321,7 @@ def link_probe(trainer, method: str, params: dict, tdev: int, edev: int, nbytes:
     from stablebuf._share import write_shared
     from stablebuf.publish import _flat_on
 
-    if method in TWO_GRAPHS:
-        region, set_id = trainer.acquire()
-        owner = trainer._trainers[region]
-    else:
-        set_id, owner = trainer.acquire(), trainer
+    owner, set_id = free_set(trainer, method)
     writer = owner.writer if owner.writer is not None else owner._sets[set_id].device
     flat = _flat_on(torch, owner._sets[set_id], writer)
     n = min(flat.numel(), nbytes)
@@ -384,7 +389,7 @@ def link_probe(trainer, method: str, params: dict, tdev: int, edev: int, nbytes:
                 fresh[:k].view(torch.int64), 0, out=flat[:k].view(torch.int64)), k)
             # The library's write path against the raw copy: timing events around the raw copy;
             # the raw copy into the library's own target; the write path with no events.
-            from stablebuf.publish import _GpuSpan
+            from stablebuf.publish import _NO_SPAN, _GpuSpan
 
             span = _GpuSpan(torch, tdev)
 
@@ -397,17 +402,7 @@ def link_probe(trainer, method: str, params: dict, tdev: int, edev: int, nbytes:
             target = owner._twin_targets(set_id, 1)[0]["twin"]
             out["raw_target"] = best("raw_target", lambda: target.copy_(twin, True), m)
 
-            class NoSpan:
-                def start(self):
-                    pass
-
-                def stop(self):
-                    pass
-
-                def seconds(self):
-                    return math.nan
-
-            spans, owner._spans = owner._spans, {writer: NoSpan()}
+            spans, owner._spans = owner._spans, {writer: _NO_SPAN}
             out["path_unspanned"] = best("path_unspanned", lambda: owner._write_synchronized(
                 set_id, params, 1.0, 64 * MiB), total)
             owner._spans = spans
@@ -557,11 +552,7 @@ def trainer_main(method: str, args: argparse.Namespace, conn, path: str, views: 
         pre = {}
         if pre_copy and method in ("stablebuf", "pipelined") and share >= 1.0:
             # Diagnosis: the same write once, untimed by the engine's window (see --pre-copy).
-            if method in TWO_GRAPHS:
-                region, set_id = trainer.acquire()
-                owner = trainer._trainers[region]
-            else:
-                set_id, owner = trainer.acquire(), trainer
+            owner, set_id = free_set(trainer, method)
             pre = {"pre_gpu_s": owner._write_synchronized(set_id, params, 1.0, chunk)["gpu_s"]}
         write_start = time.monotonic()
         if method == "ipc-buckets":

@@ -250,7 +250,10 @@ def _views_over(torch: Any, flat: Any, manifest: Manifest) -> Dict[str, Any]:
 TRANSLATION_PAGE = 2 << 20
 
 
-def _twin_pieces(target: Any, source: Any, lanes: int) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+_Cut = Tuple[Dict[str, Any], Dict[str, Any]]  # (views, weights) of one write
+
+
+def _twin_pieces(target: Any, source: Any, lanes: int) -> _Cut:
     """``(views, weights)`` for a twin's write: the whole flat ``source`` into ``target`` as
     one copy, or, for ``lanes`` above 1, as that many contiguous pieces of about equal size
     (page-aligned cuts), one per copy stream, for links where several copy engines carry more
@@ -797,8 +800,9 @@ class Trainer:
         #: Where the last :meth:`publish` spent its time (seconds) and what it did:
         #: ``acquire_s``, ``issue_s`` (queuing the copies), ``wait_s`` (waiting for them:
         #: the chunks' synchronisations and the last one), ``gpu_s`` (first copy to last on
-        #: the writer's stream, pauses included; ``nan`` unless :attr:`gpu_timing`), ``paused_s``, ``commit_s``, ``check_s`` (the
-        #: names, shapes and version checked), ``total_s`` (from the checks to the commit);
+        #: the writer's stream, pauses included; ``nan`` unless :attr:`gpu_timing`),
+        #: ``paused_s``, ``commit_s``, ``check_s`` (the names, shapes and version checked),
+        #: ``prepare_s`` (the views cut), ``total_s`` (from the checks to the commit);
         #: ``chunks``, ``copies``, ``cross_device`` (copies between two devices: see
         #: :func:`stablebuf._share.crosses_devices`), ``bytes``, ``writer``, ``set_device``.
         self.last_write: Dict[str, float] = {}
@@ -820,7 +824,7 @@ class Trainer:
         self._flats: Dict[int, Any] = {}
         # (set id, pieces) -> (the twin flat they were cut for, (views, weights)) of a twin's
         # write: cut once, not per publish.
-        self._twin_cuts: Dict[Tuple[int, int], Tuple[Any, Tuple[Dict[str, Any], Dict[str, Any]]]] = {}
+        self._twin_cuts: Dict[Tuple[int, int], Tuple[Any, _Cut]] = {}
         self._spans: Dict[int, _GpuSpan] = {}  # writer device -> its write's timing events
         #: Time each write on the GPU (two timing events around it: ``gpu_s`` in
         #: :attr:`last_write`, ``nan`` when off). Off by default: on 2 x H200 the events
@@ -931,14 +935,9 @@ class Trainer:
         the :attr:`writer` device."""
         views = self._views.get(set_id)
         if views is None:
-            views = self._build_views(self._sets[set_id])
+            views = _views_over(self._torch, self._set_flat(set_id), self.manifest)
             self._views[set_id] = views
         return views
-
-    def _build_views(self, imported: Any) -> Dict[str, Any]:
-        # DLPack built in Rust over the imported mapping: zero-copy, keeps the set alive, and
-        # needs no NumPy (torch parses __cuda_array_interface__ with NumPy).
-        return _views_over(self._torch, self._flat(imported), self.manifest)
 
     def _flat(self, imported: Any) -> Any:
         """The whole of ``imported`` as one ``uint8`` tensor on the :attr:`writer` device."""
@@ -946,13 +945,15 @@ class Trainer:
         return _flat_on(self._torch, imported, device)
 
     def _set_flat(self, set_id: int) -> Any:
-        """:meth:`_flat` of set ``set_id``, made once (a publish should not pay for DLPack)."""
+        """:meth:`_flat` of set ``set_id``, made once (a publish should not pay for DLPack).
+        The DLPack is built in Rust over the imported mapping: zero-copy, keeps the set alive,
+        and needs no NumPy (torch parses ``__cuda_array_interface__`` with NumPy)."""
         flat = self._flats.get(set_id)
         if flat is None:
             flat = self._flats[set_id] = self._flat(self._sets[set_id])
         return flat
 
-    def _twin_targets(self, set_id: int, lanes: int) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    def _twin_targets(self, set_id: int, lanes: int) -> _Cut:
         """:func:`_twin_pieces` of the twin into set ``set_id``, made once per set and count."""
         flat = self._twin[1]
         cached = self._twin_cuts.get((set_id, lanes))
